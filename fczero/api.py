@@ -1,0 +1,184 @@
+"""``fczero.parallelize``: validate, shard, wire. Nothing else happens here."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from fczero import resharding
+from fczero.config import ShardingOptions
+from fczero.sharding import MANAGED_ATTR, ROOT_ATTR, ShardSpec, mesh_device, shard_tensor, wire_module
+
+logger = logging.getLogger("fczero")
+
+__all__ = ["parallelize", "is_parallelized"]
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
+    axis: str | int | None = None,
+    **unknown: object,
+) -> nn.Module:
+    """Shard every parameter of ``model`` over ``mesh`` (ZeRO stage 3), in place.
+
+    After the call each parameter is an ``nn.Parameter`` DTensor with ``Shard(0)`` on
+    the data-parallel axis (0-d params: ``Replicate()``), living on the mesh's device;
+    buffers are moved to that device and otherwise left alone. Every module computes
+    with the unsharded param, gathered through functional collectives on each access;
+    gradients come back averaged over ranks as sharded grads (``Shard(0)`` DTensors),
+    so any ``torch.optim`` optimizer built *after* this call holds sharded state.
+
+    The model runs eagerly or under plain ``torch.compile`` (stock Inductor): the
+    compiled graphs show the all-gathers, waits and reduce-scatters as nodes.
+
+    Args:
+        model: the module to shard; every rank must pass the same architecture with
+            the same initial values (as with DDP and FSDP2).
+        mesh: a ``DeviceMesh``; with more than one axis, name the data-parallel one
+            with ``axis``.
+        param_dtype, reduce_dtype, reshard_after_forward, axis: see
+            :class:`fczero.ShardingOptions` (one docstring per field).
+
+    Returns:
+        ``model`` itself, parallelized.
+
+    Raises:
+        TypeError / ValueError: for a bad option, mesh or model, before any param is
+            touched and before any collective runs.
+    """
+    options = ShardingOptions.from_kwargs(
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        reshard_after_forward=reshard_after_forward,
+        axis=axis,
+        **unknown,
+    )
+    dp_mesh = _data_parallel_mesh(mesh, options.axis)
+    owners = _validate_model(model)
+
+    specs_by_param: dict[int, tuple[nn.Parameter, ShardSpec]] = {}
+    wiring: dict[nn.Module, dict[str, ShardSpec]] = {}
+    for module, name, param in owners:
+        if id(param) not in specs_by_param:  # a param shared by several modules is sharded once
+            specs_by_param[id(param)] = shard_tensor(param, dp_mesh, options, param.requires_grad)
+        sharded, spec = specs_by_param[id(param)]
+        module._parameters[name] = sharded
+        wiring.setdefault(module, {})[name] = spec
+    for module, specs in wiring.items():
+        wire_module(module, specs)
+    _move_buffers(model, dp_mesh)
+
+    setattr(model, ROOT_ATTR, options)
+    model.register_forward_pre_hook(_enter_reshard_scope)
+    model.register_forward_hook(_exit_reshard_scope, always_call=True)
+    logger.info(
+        "parallelized %s: %d params over %d ranks (%s)",
+        type(model).__name__,
+        len(specs_by_param),
+        dp_mesh.size(),
+        options,
+    )
+    return model
+
+
+def is_parallelized(model: nn.Module) -> bool:
+    """True if ``model`` or one of its submodules went through ``parallelize``."""
+    return any(hasattr(m, MANAGED_ATTR) or hasattr(m, ROOT_ATTR) for m in model.modules())
+
+
+def _data_parallel_mesh(mesh: DeviceMesh, axis: str | int | None) -> DeviceMesh:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            "fczero.parallelize needs a DeviceMesh, e.g. "
+            "torch.distributed.device_mesh.init_device_mesh('cuda', (world_size,)); "
+            f"got {type(mesh).__name__}."
+        )
+    names = mesh.mesh_dim_names
+    if mesh.ndim == 1:
+        if axis not in (None, 0) and not (names and axis == names[0]):
+            raise ValueError(f"fczero: axis={axis!r} is not an axis of this 1-d mesh {names}.")
+        return mesh
+    if axis is None:
+        raise ValueError(
+            f"fczero: the mesh has {mesh.ndim} axes {names or ''}; say which one is "
+            "data-parallel with parallelize(..., axis=<name or index>)."
+        )
+    if isinstance(axis, int):
+        if not 0 <= axis < mesh.ndim:
+            raise ValueError(f"fczero: axis={axis} is out of range for a {mesh.ndim}-axis mesh.")
+        if not names:
+            raise ValueError(
+                "fczero: pick an axis of a multi-axis mesh by name; build the mesh with "
+                "mesh_dim_names=(...)."
+            )
+        axis = names[axis]
+    if not names or axis not in names:
+        raise ValueError(f"fczero: axis={axis!r} is not one of the mesh's axes {names}.")
+    return mesh[axis]
+
+
+def _validate_model(model: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """Every (module, name, param) triple, after checking that fczero can shard them all."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fczero.parallelize needs an nn.Module, got {type(model).__name__}.")
+    if is_parallelized(model):
+        raise ValueError(
+            "fczero: this model (or a submodule) is already parallelized; call "
+            "parallelize once, on the root module, with a freshly built model."
+        )
+    owners = []
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            qualified = f"{module_name}.{name}" if module_name else name
+            if isinstance(param, DTensor):
+                raise ValueError(
+                    f"fczero: parameter {qualified!r} is already a DTensor; fczero shards "
+                    "plain parameters only (composition with tensor parallelism is not "
+                    "supported yet)."
+                )
+            if not param.dtype.is_floating_point:
+                raise TypeError(
+                    f"fczero: parameter {qualified!r} has dtype {param.dtype}; only floating "
+                    "params can be sharded and trained. Register it as a buffer instead "
+                    "(module.register_buffer)."
+                )
+            if param.device.type == "meta":
+                raise ValueError(
+                    f"fczero: parameter {qualified!r} is on the meta device; materialize the "
+                    "model (e.g. model.to_empty(device=...) and initialize) before parallelize."
+                )
+            owners.append((module, name, param))
+    return owners
+
+
+def _move_buffers(model: nn.Module, mesh: DeviceMesh) -> None:
+    device = mesh.device_type
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device.type != device:
+                module._buffers[name] = buf.to(mesh_device(mesh))
+
+
+def _enter_reshard_scope(module: nn.Module, args: object) -> None:
+    if torch.compiler.is_compiling() or not getattr(module, ROOT_ATTR).reshard_after_forward:
+        return
+    scope = resharding.reshard_scope()
+    scope.__enter__()
+    module.__dict__["_fczero_scope"] = scope
+
+
+def _exit_reshard_scope(module: nn.Module, args: object, output: object) -> None:
+    scope = module.__dict__.pop("_fczero_scope", None)
+    if scope is not None:
+        scope.__exit__(None, None, None)

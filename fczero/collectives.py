@@ -1,0 +1,116 @@
+"""The gather and the reduce: the only module that names collective ops.
+
+A sharded param becomes an unsharded param through one differentiable step,
+``gather_shard``, whose backward is the reduce:
+
+    forward:  shard -> cast(param_dtype) -> all_gather_into_tensor -> wait
+    backward: grad  -> cast(reduce_dtype) -> reduce_scatter_tensor(sum) -> wait
+              -> divide by the group size (data parallelism averages) -> cast(shard dtype)
+
+Both directions call ``torch.ops._c10d_functional`` ops, so eager mode returns an
+``AsyncCollectiveTensor`` that waits on first use, and a traced graph holds explicit
+``all_gather_into_tensor`` / ``reduce_scatter_tensor`` / ``wait_tensor`` nodes that
+the compiler can move. A 0-d param cannot be split along dim 0; it is replicated and
+its grad is all-reduced instead (``replicate_scalar``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+_c10d = torch.ops._c10d_functional
+
+
+def _tracing() -> bool:
+    """True while Dynamo or AOT autograd trace (fake tensors or a proxy mode are active)."""
+    if torch.compiler.is_compiling():
+        return True
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return True
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+
+
+def _async(t: torch.Tensor) -> torch.Tensor:
+    """In eager, defer the wait to first use; in a traced graph, emit ``wait_tensor``."""
+    if _tracing():
+        return _c10d.wait_tensor(t)
+    return AsyncCollectiveTensor(t)
+
+
+def all_gather(shard: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Concatenate every rank's ``shard`` along dim 0 (asynchronous in eager)."""
+    return _async(_c10d.all_gather_into_tensor(shard.contiguous(), group_size, group_name))
+
+
+def reduce_scatter_sum(full: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Sum ``full`` over ranks and keep this rank's dim-0 slice (waited)."""
+    out = _c10d.reduce_scatter_tensor(full.contiguous(), "sum", group_size, group_name)
+    return _c10d.wait_tensor(out)
+
+
+def all_reduce_sum(t: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Sum ``t`` over ranks (waited)."""
+    return _c10d.wait_tensor(_c10d.all_reduce(t.contiguous(), "sum", group_name))
+
+
+def _to(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
+def _reduce_dtype_of(grad: torch.Tensor, reduce_dtype: torch.dtype | None) -> torch.dtype:
+    return grad.dtype if reduce_dtype is None else reduce_dtype
+
+
+class _GatherShard(torch.autograd.Function):
+    """All-gather in forward, reduce-scatter (averaged) in backward. See the module docstring."""
+
+    @staticmethod
+    def forward(ctx, shard, group_size, group_name, param_dtype, reduce_dtype):  # type: ignore[override]
+        ctx.meta = (group_size, group_name, reduce_dtype, shard.dtype)
+        return all_gather(_to(shard, param_dtype), group_size, group_name)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        group_size, group_name, reduce_dtype, shard_dtype = ctx.meta
+        grad = _to(grad, _reduce_dtype_of(grad, reduce_dtype))
+        reduced = reduce_scatter_sum(grad, group_size, group_name)
+        return _to(reduced / group_size, shard_dtype), None, None, None, None
+
+
+class _ReplicateScalar(torch.autograd.Function):
+    """Identity (with the param_dtype cast) in forward, averaged all-reduce in backward."""
+
+    @staticmethod
+    def forward(ctx, local, group_size, group_name, param_dtype, reduce_dtype):  # type: ignore[override]
+        ctx.meta = (group_size, group_name, reduce_dtype, local.dtype)
+        return _to(local, param_dtype).clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        group_size, group_name, reduce_dtype, local_dtype = ctx.meta
+        grad = _to(grad, _reduce_dtype_of(grad, reduce_dtype))
+        reduced = all_reduce_sum(grad, group_name)
+        return _to(reduced / group_size, local_dtype), None, None, None, None
+
+
+def gather_shard(
+    shard: torch.Tensor,
+    group_size: int,
+    group_name: str,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """The gather of a padded shard (equal size on every rank); backward is the reduce."""
+    return _GatherShard.apply(shard, group_size, group_name, param_dtype, reduce_dtype)
+
+
+def replicate_scalar(
+    local: torch.Tensor,
+    group_size: int,
+    group_name: str,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """The 'gather' of a replicated 0-d param; backward all-reduces its grad."""
+    return _ReplicateScalar.apply(local, group_size, group_name, param_dtype, reduce_dtype)

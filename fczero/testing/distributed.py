@@ -1,0 +1,99 @@
+"""Run a function on N local processes with a real process group (gloo on CPU, NCCL on GPUs).
+
+``run_on_ranks(fn, world_size, *args)`` starts one process per rank from a
+forkserver (torch is imported once there, children start in well under a second),
+joins a process group through a file store, calls ``fn(rank, world_size, *args)``
+and returns every rank's result, in rank order. A failure on any rank raises in
+the caller with that rank's traceback; a rank that does not finish within
+``timeout_s`` is killed and reported, so a hang fails the test instead of CI.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+_CONTEXT: mp.context.BaseContext | None = None
+
+
+def _context() -> mp.context.BaseContext:
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = mp.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "fczero"])
+    return _CONTEXT
+
+
+def _child(fn, rank, world_size, args, backend, workdir, timeout_s):  # pragma: no cover - child
+    import torch
+    import torch.distributed as dist
+
+    out_path = os.path.join(workdir, f"rank{rank}.pkl")
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{os.path.join(workdir, 'store')}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        try:
+            result = ("ok", fn(rank, world_size, *args))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - everything is reported to the parent
+        result = ("error", traceback.format_exc())
+    with open(out_path, "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results."""
+    ctx = _context()
+    with tempfile.TemporaryDirectory(prefix="fczero-ranks-") as workdir:
+        procs = [
+            ctx.Process(
+                target=_child,
+                args=(fn, rank, world_size, args, backend, workdir, timeout_s),
+                daemon=False,
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout_s)
+        hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if hung:
+            raise TimeoutError(f"ranks {hung} did not finish within {timeout_s:.0f} s")
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(workdir, f"rank{rank}.pkl")
+            if not os.path.exists(path):
+                raise RuntimeError(
+                    f"rank {rank} exited with code {procs[rank].exitcode} and left no result"
+                )
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results.append(value)
+        return results
