@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
 from fczero import resharding
 from fczero.config import ShardingOptions
-from fczero.sharding import MANAGED_ATTR, ROOT_ATTR, ShardSpec, mesh_device, shard_tensor, wire_module
+from fczero.sharding import MANAGED_ATTR, ROOT_ATTR, ShardSpec, mesh_device, quiet_gather_checkpoint_note, shard_tensor, wire_module
 
 logger = logging.getLogger("fczero")
 
@@ -76,9 +78,10 @@ def parallelize(
     for module, specs in wiring.items():
         wire_module(module, specs)
     _move_buffers(model, dp_mesh)
+    quiet_gather_checkpoint_note()
 
     setattr(model, ROOT_ATTR, options)
-    model.register_forward_pre_hook(_enter_reshard_scope)
+    model.register_forward_pre_hook(_root_pre_forward, with_kwargs=True)
     model.register_forward_hook(_exit_reshard_scope, always_call=True)
     logger.info(
         "parallelized %s: %d params over %d ranks (%s)",
@@ -170,12 +173,20 @@ def _move_buffers(model: nn.Module, mesh: DeviceMesh) -> None:
                 module._buffers[name] = buf.to(mesh_device(mesh))
 
 
-def _enter_reshard_scope(module: nn.Module, args: object) -> None:
-    if torch.compiler.is_compiling() or not getattr(module, ROOT_ATTR).reshard_after_forward:
-        return
-    scope = resharding.reshard_scope()
-    scope.__enter__()
-    module.__dict__["_fczero_scope"] = scope
+def _root_pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Cast floating inputs to ``param_dtype`` (as FSDP2 does) and open the eager reshard scope."""
+    options: ShardingOptions = getattr(module, ROOT_ATTR)
+    if options.param_dtype is not None:
+        args, kwargs = tree_map_only(torch.Tensor, partial(_cast_floating, options.param_dtype), (args, kwargs))
+    if options.reshard_after_forward and not torch.compiler.is_compiling():
+        scope = resharding.reshard_scope()
+        scope.__enter__()
+        module.__dict__["_fczero_scope"] = scope
+    return args, kwargs
+
+
+def _cast_floating(dtype: torch.dtype, t: torch.Tensor) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() else t
 
 
 def _exit_reshard_scope(module: nn.Module, args: object, output: object) -> None:

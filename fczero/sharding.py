@@ -105,6 +105,21 @@ def _recompute_everything():
     return create_selective_checkpoint_contexts(_must_recompute)
 
 
+class _QuietGatherCheckpoint(logging.Filter):
+    """Drops torch's once-per-process note that a ``context_fn`` reached ``checkpoint``
+    under compile. fczero's own gather region causes it and holds no in-place op, which
+    is all the note warns about; every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+def quiet_gather_checkpoint_note() -> None:
+    log = logging.getLogger("torch._higher_order_ops.wrap")
+    if not any(isinstance(f, _QuietGatherCheckpoint) for f in log.filters):
+        log.addFilter(_QuietGatherCheckpoint())
+
+
 def shard_tensor(
     tensor: torch.Tensor, mesh: DeviceMesh, options: ShardingOptions, requires_grad: bool
 ) -> tuple[nn.Parameter, ShardSpec]:

@@ -1,0 +1,308 @@
+"""The arms of shared/BENCHMARK.md: one builder each, model + optimizer + step function.
+
+Every builder takes an :class:`ArmContext` and returns an :class:`Arm` whose
+``step(tokens)`` runs forward, backward and one AdamW step on a (B, T+1) batch and
+returns the detached loss. All arms build the same ``Llama`` from the same seed
+(on the target device, so every rank starts from the same weights) and train it
+with ``AdamW(lr, betas=(0.9, 0.95), weight_decay=0)`` (``fused=True`` on CUDA):
+
+| arm | precision | parallelism |
+| --- | --- | --- |
+| floor | bf16 autocast, fp32 params | none: whole model ``torch.compile``'d on each GPU |
+| fsdp2-eager | bf16 params, fp32 reduce | ``fully_shard`` on each block and the root |
+| fsdp2-compiled | same | same, each block ``.compile()``'d |
+| ddp | bf16 autocast, fp32 params | ``DistributedDataParallel`` |
+| fczero-eager | bf16 params, fp32 reduce | ``fczero.parallelize`` (stage 3) |
+| fczero-compiled | same | same, then ``torch.compile`` of the whole model |
+| deepspeed-zero3 | DeepSpeed bf16 | ZeRO-3, ``overlap_comm`` |
+| deepspeed-deepcompile | DeepSpeed bf16 | ZeRO-3 + DeepCompile (``engine.compile()``) |
+
+DeepSpeed is imported inside its builders only: it is a benchmark-only dependency.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from bench.metrics import StepFn
+from fczero.models.llama import Llama, LlamaConfig
+
+logger = logging.getLogger("fczero.bench")
+
+BF16 = torch.bfloat16
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArmContext:
+    """What every builder needs; the same for all arms of one regime."""
+
+    cfg: LlamaConfig
+    mesh: DeviceMesh
+    device: torch.device
+    batch: int
+    """Sequences per rank per step."""
+    seq_len: int
+    seed: int = 0
+    lr: float = 3e-4
+    compile_backend: str = "inductor"
+    """Backend for the compiled arms (``inductor``; ``eager``/``aot_eager`` to debug on CPU)."""
+
+
+@dataclass(kw_only=True)
+class Arm:
+    """A built arm: the step function and what to release afterwards."""
+
+    step: StepFn
+    keep: list[object] = field(default_factory=list)
+    """Objects that hold the arm's memory; dropped after the arm."""
+    close: Callable[[], None] | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArmSpec:
+    name: str
+    label: str
+    build: Callable[[ArmContext], Arm]
+    communicates: bool = True
+    """False for the floor: it trains on local gradients, so its loss is not compared."""
+    min_warmup: int = 1
+    """Warm-up steps this arm needs at least (DeepCompile recompiles at step 5)."""
+
+
+class LossModule(nn.Module):
+    """``forward(tokens)`` is ``model.loss(tokens)``: what DDP, DeepSpeed and ``torch.compile`` call.
+
+    With ``autocast_dtype`` the loss runs under ``torch.autocast`` (fp32 params, bf16 matmuls).
+    """
+
+    def __init__(self, model: Llama, autocast_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.autocast_dtype = autocast_dtype
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # tokens: (B, T+1)
+        if self.autocast_dtype is None:
+            return self.model.loss(tokens)
+        with torch.autocast(tokens.device.type, dtype=self.autocast_dtype):
+            return self.model.loss(tokens)
+
+
+def build_model(ctx: ArmContext) -> Llama:
+    """The same initial weights on every rank and in every arm."""
+    torch.manual_seed(ctx.seed)
+    with torch.device(ctx.device):
+        return Llama(ctx.cfg)
+
+
+def adamw(params: object, ctx: ArmContext) -> torch.optim.Optimizer:
+    fused = True if ctx.device.type == "cuda" else None
+    return torch.optim.AdamW(
+        params, lr=ctx.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=fused  # type: ignore[arg-type]
+    )
+
+
+def train_step(module: Callable[[torch.Tensor], torch.Tensor], opt: torch.optim.Optimizer) -> StepFn:
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        loss = module(tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def build_floor(ctx: ArmContext) -> Arm:
+    root = LossModule(build_model(ctx), autocast_dtype=BF16)
+    opt = adamw(root.parameters(), ctx)
+    compiled = torch.compile(root, backend=ctx.compile_backend)
+    return Arm(step=train_step(compiled, opt), keep=[root, compiled, opt])
+
+
+def _fsdp2(ctx: ArmContext, *, compile_blocks: bool) -> Arm:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = build_model(ctx)
+    root = LossModule(model)
+    mp = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mesh=ctx.mesh, mp_policy=mp)
+    fully_shard(root, mesh=ctx.mesh, mp_policy=mp)
+    if compile_blocks:
+        for block in model.layers:
+            block.compile(backend=ctx.compile_backend)
+    opt = adamw(root.parameters(), ctx)
+    return Arm(step=train_step(root, opt), keep=[root, opt])
+
+
+def build_fsdp2_eager(ctx: ArmContext) -> Arm:
+    return _fsdp2(ctx, compile_blocks=False)
+
+
+def build_fsdp2_compiled(ctx: ArmContext) -> Arm:
+    return _fsdp2(ctx, compile_blocks=True)
+
+
+def build_ddp(ctx: ArmContext) -> Arm:
+    from torch.nn.parallel import DistributedDataParallel
+
+    root = LossModule(build_model(ctx), autocast_dtype=BF16)
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    ddp = DistributedDataParallel(root, device_ids=device_ids, process_group=ctx.mesh.get_group())
+    opt = adamw(ddp.parameters(), ctx)
+    return Arm(step=train_step(ddp, opt), keep=[ddp, root, opt])
+
+
+def _fczero(ctx: ArmContext, *, compiled: bool) -> Arm:
+    import fczero
+
+    root = LossModule(build_model(ctx))
+    fczero.parallelize(root, ctx.mesh, param_dtype=BF16, reduce_dtype=torch.float32)
+    opt = adamw(root.parameters(), ctx)
+    module = torch.compile(root, backend=ctx.compile_backend) if compiled else root
+    return Arm(step=train_step(module, opt), keep=[root, module, opt])
+
+
+def build_fczero_eager(ctx: ArmContext) -> Arm:
+    return _fczero(ctx, compiled=False)
+
+
+def build_fczero_compiled(ctx: ArmContext) -> Arm:
+    return _fczero(ctx, compiled=True)
+
+
+def deepspeed_config(batch: int, *, deepcompile: bool) -> dict[str, object]:
+    """ZeRO-3, bf16, overlapped communication; DeepCompile on top when asked."""
+    config: dict[str, object] = {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if deepcompile:
+        config["compile"] = {"deepcompile": True}
+    return config
+
+
+def fix_cuda_arch_list(device: torch.device) -> None:
+    """DeepSpeed's op builder cannot parse arch suffixes (``9.0a``): name plain ``9.0``.
+
+    The GPU machine sets ``TORCH_CUDA_ARCH_LIST=9.0a``; DeepSpeed's builder fails on it with
+    "invalid literal for int() ... '0a'" (shared/BENCHMARK.md). Only JIT-built extensions
+    read this variable.
+    """
+    current = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if current is None:
+        major, minor = torch.cuda.get_device_capability(device)
+        fixed = f"{major}.{minor}"
+    else:
+        fixed = re.sub(r"(\d+\.\d+)[a-zA-Z]+", r"\1", current)
+    if fixed != current:
+        logger.info("TORCH_CUDA_ARCH_LIST=%s for DeepSpeed's op builder (was %s)", fixed, current)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = fixed
+
+
+def _deepspeed(ctx: ArmContext, *, deepcompile: bool) -> Arm:
+    if ctx.device.type != "cuda":
+        raise RuntimeError("the DeepSpeed arms run on CUDA GPUs only")
+    fix_cuda_arch_list(ctx.device)
+    import deepspeed  # benchmark-only dependency, carried as wheels to the GPU machine
+
+    root = LossModule(build_model(ctx))
+    opt = adamw(root.parameters(), ctx)
+    engine, _, _, _ = deepspeed.initialize(
+        model=root, optimizer=opt, config=deepspeed_config(ctx.batch, deepcompile=deepcompile)
+    )
+    if deepcompile:
+        engine.compile()
+
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        loss = engine(tokens)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    def close() -> None:
+        if hasattr(engine, "destroy"):
+            engine.destroy()
+
+    return Arm(
+        step=step, keep=[engine, root, opt], close=close, note=f"deepspeed {deepspeed.__version__}"
+    )
+
+
+def build_deepspeed_zero3(ctx: ArmContext) -> Arm:
+    return _deepspeed(ctx, deepcompile=False)
+
+
+def build_deepspeed_deepcompile(ctx: ArmContext) -> Arm:
+    return _deepspeed(ctx, deepcompile=True)
+
+
+ARMS: dict[str, ArmSpec] = {
+    spec.name: spec
+    for spec in (
+        ArmSpec(name="floor", label="floor (compiled, no comm)", build=build_floor, communicates=False),
+        ArmSpec(name="fsdp2-eager", label="FSDP2 eager", build=build_fsdp2_eager),
+        ArmSpec(name="fsdp2-compiled", label="FSDP2 compiled per block", build=build_fsdp2_compiled),
+        ArmSpec(name="ddp", label="DDP (autocast)", build=build_ddp),
+        ArmSpec(name="fczero-eager", label="fczero eager", build=build_fczero_eager),
+        ArmSpec(name="fczero-compiled", label="fczero compiled", build=build_fczero_compiled),
+        ArmSpec(
+            name="deepspeed-zero3",
+            label="DeepSpeed ZeRO-3 (bf16, overlap_comm)",
+            build=build_deepspeed_zero3,
+        ),
+        ArmSpec(
+            name="deepspeed-deepcompile",
+            label="DeepSpeed DeepCompile (ZeRO-3)",
+            build=build_deepspeed_deepcompile,
+            min_warmup=8,
+        ),
+    )
+}
+"""Every arm, in the order they run: the floor first (ratios), FSDP2 eager next (loss reference)."""
+
+GROUPS: dict[str, list[str]] = {
+    "all": list(ARMS),
+    "core": [name for name in ARMS if not name.startswith("deepspeed")],
+    "deepspeed": [name for name in ARMS if name.startswith("deepspeed")],
+    "fczero": ["fczero-eager", "fczero-compiled"],
+    "fsdp2": ["fsdp2-eager", "fsdp2-compiled"],
+}
+"""Names ``--arms`` accepts besides single arms."""
+
+
+def select_arms(arms: str, skip: str = "") -> list[ArmSpec]:
+    """``"all"``, ``"core,deepspeed-zero3"``, ... minus ``skip``; always in :data:`ARMS` order."""
+    wanted: set[str] = set()
+    for name in _split(arms):
+        if name in GROUPS:
+            wanted.update(GROUPS[name])
+        elif name in ARMS:
+            wanted.add(name)
+        else:
+            raise ValueError(
+                f"unknown arm {name!r}; pick from {', '.join([*GROUPS, *ARMS])} (comma-separated)."
+            )
+    for name in _split(skip):
+        if name not in ARMS and name not in GROUPS:
+            raise ValueError(f"unknown arm {name!r} in --skip; arms are {', '.join(ARMS)}.")
+        wanted.difference_update(GROUPS.get(name, [name]))
+    return [spec for name, spec in ARMS.items() if name in wanted]
+
+
+def _split(names: str) -> list[str]:
+    return [n.strip() for n in names.split(",") if n.strip()]

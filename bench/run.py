@@ -1,0 +1,395 @@
+"""CLI: run the arms of shared/BENCHMARK.md one after another in the same processes.
+
+    torchrun --nproc-per-node 2 -m bench.run --out out/bench            # every arm, C and M
+    python -m bench.run --arms core --regimes M --steps 10 --out out/m  # relaunches under torchrun
+    python -m bench.run --smoke --out out/smoke                          # CPU, gloo, tiny model
+
+One process per GPU (NCCL), or per CPU rank with ``--cpu`` / ``--smoke`` (gloo).
+For each arm and regime: build the arm, time it (bench.metrics), optionally profile
+it (bench.profile), then free everything before the next. Every rank catches its
+arm's exception; the ranks then agree on the outcome over a separate gloo group, so
+an arm that fails on one rank is recorded as failed on all and the run goes on. An
+arm still running after ``--arm-timeout`` seconds (a hang in a collective, say) is
+recorded as timed out and the run exits; what was recorded so far stays in OUT.
+"""
+
+from __future__ import annotations
+
+import os
+
+# NVLink multicast stays off on the shared GPU hosts (see the device notes); set before NCCL starts.
+for _key, _value in (
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+):
+    os.environ.setdefault(_key, _value)
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import gc  # noqa: E402
+import logging  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from dataclasses import asdict, replace  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from bench import report  # noqa: E402
+from bench.arms import ArmContext, ArmSpec, select_arms  # noqa: E402
+from bench.metrics import derived, measure, reset_memory  # noqa: E402
+from bench.profile import profile_steps  # noqa: E402
+from fczero.models.llama import LlamaConfig  # noqa: E402
+
+logger = logging.getLogger("fczero.bench")
+
+REGIMES: dict[str, tuple[int, int]] = {"C": (4, 2048), "M": (1, 1024)}
+"""Regime name -> (per-GPU batch, sequence length), as in shared/BENCHMARK.md."""
+
+SMOKE = dict(
+    cpu=True, dim=64, layers=2, heads=4, ffn=172, vocab=256, batch=2, seq=32,
+    arms="fczero-eager,fsdp2-eager", steps=3, warmup=1, nproc=2, lr=1e-3,
+)  # fmt: skip
+"""What ``--smoke`` sets where the command line leaves it unset."""
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
+    a = p.add_argument
+    a("--out", type=Path, default=Path("out/bench"), help="output folder (default out/bench)")
+    a("--arms", help="comma-separated arms or groups: all (default), core, deepspeed, fczero, "
+      "fsdp2, floor, fsdp2-eager, fsdp2-compiled, ddp, fczero-eager, fczero-compiled, "
+      "deepspeed-zero3, deepspeed-deepcompile")  # fmt: skip
+    a("--skip", default="", help="arms or groups to leave out")
+    a("--regimes", default="C,M", help="C (4 x 2048) and/or M (1 x 1024); default C,M")
+    a("--batch", type=int, help="per-GPU batch: with --seq, one custom regime instead of --regimes")
+    a("--seq", type=int, help="sequence length of the custom regime")
+    a("--dim", type=int, help="model width (default: the 953M benchmark model's 2048)")
+    a("--layers", type=int, help="decoder blocks (default 16)")
+    a("--heads", type=int, help="attention heads (default 16)")
+    a("--ffn", type=int, help="SwiGLU hidden width (default 5632)")
+    a("--vocab", type=int, help="vocabulary (default 32000)")
+    a("--steps", type=int, help="timed steps after warm-up (default 10)")
+    a("--warmup", type=int, help="warm-up steps, the first (compiling) one included (default 5)")
+    a("--lr", type=float, help="AdamW learning rate (default 3e-4)")
+    a("--seed", type=int, default=0)
+    a("--data-batches", type=int, default=1,
+      help="distinct token batches cycled through (default 1: the model memorizes one batch, "
+      "so the losses move and their agreement means something)")  # fmt: skip
+    a("--loss-rtol", type=float, default=report.DEFAULT_LOSS_RTOL,
+      help="relative loss tolerance against FSDP2 eager (default 2e-2)")  # fmt: skip
+    a("--profile", action="store_true", help="also profile each arm: trace + exposed comm")
+    a("--profile-steps", type=int, default=3)
+    a("--arm-timeout", type=float, default=600.0, help="seconds before an arm counts as hung")
+    a("--compile-backend", default="inductor", help="torch.compile backend of the compiled arms")
+    a("--cpu", action="store_true", default=None, help="run on CPU with gloo")
+    a("--nproc", type=int, help="processes when not started by torchrun (default: GPUs, or 2)")
+    a("--fresh", action="store_true", help="drop OUT's earlier results first")
+    a("--commit", help="commit to print in the table (default: git rev-parse, if it works)")
+    a("--smoke", action="store_true", help="CPU smoke run: " + ", ".join(f"{k}={v}" for k, v in SMOKE.items()))
+    args = p.parse_args(argv)
+    defaults = dict(
+        cpu=False, dim=2048, layers=16, heads=16, ffn=5632, vocab=32000,
+        arms="all", steps=10, warmup=5, lr=3e-4,
+    )  # fmt: skip
+    for key, value in {**defaults, **(SMOKE if args.smoke else {})}.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if (args.batch is None) != (args.seq is None):
+        p.error("--batch and --seq go together (one custom regime)")
+    return args
+
+
+def regimes(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
+    if args.batch is not None:
+        return {f"{args.batch}x{args.seq}": (args.batch, args.seq)}
+    names = [n.strip() for n in args.regimes.split(",") if n.strip()]
+    unknown = [n for n in names if n not in REGIMES]
+    if unknown:
+        raise SystemExit(f"unknown regime(s) {unknown}; pick from {list(REGIMES)}")
+    return {n: REGIMES[n] for n in names}
+
+
+def relaunch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Not under torchrun: start ``--nproc`` copies of this module through torch.distributed.run."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    nproc = args.nproc
+    if nproc is None:
+        nproc = 2 if args.cpu or not torch.cuda.is_available() else torch.cuda.device_count()
+    try:
+        torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "bench.run", *argv])
+    except ChildFailedError as e:
+        logger.error("a rank failed: %s", e)
+        return 1
+    return 0
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _meta(args: argparse.Namespace, cfg: LlamaConfig, device: torch.device, world: int) -> dict:
+    if device.type == "cuda":
+        gpu = f"{world} x {torch.cuda.get_device_name(device)}"
+    else:
+        gpu = f"none (CPU, {world} gloo ranks)"
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "commit": args.commit or os.environ.get("FCZERO_COMMIT") or _git_commit(),
+        "model": {**asdict(cfg), "params": cfg.num_params()},
+    }
+
+
+def make_batches(args, cfg: LlamaConfig, batch: int, seq: int, device: torch.device) -> list:
+    """This rank's slice of the same synthetic tokens every arm sees: (B, T+1) per step."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    tokens = torch.randint(0, cfg.vocab_size, (args.data_batches, world * batch, seq + 1), generator=gen)
+    return [t[rank * batch : (rank + 1) * batch].to(device) for t in tokens]
+
+
+_ABORTING = threading.Lock()
+
+
+def abort(out: Path, record: dict, error: str, code: int) -> None:
+    """This rank cannot go on (its arm hung, or the ranks lost each other): record why and exit.
+
+    Every rank appends its own line; rank 0 waits a moment for the others' lines, redraws
+    the table and exits first (torchrun then stops the rest, which wait to be stopped).
+    ``report.read_records`` merges the aborted lines of one arm and run.
+    """
+    if not _ABORTING.acquire(blocking=False):  # the watchdog and the main thread both got here
+        time.sleep(3600)  # the first caller ends the process
+    rank = dist.get_rank()
+    try:
+        line = {**record, "status": "error", "aborted": True, "error": f"rank {rank}: {error}"}
+        if rank == 0:
+            time.sleep(3.0)
+            report.append_record(out, line)
+            report.write_reports(out)
+        else:
+            report.append_record(out, line)
+            time.sleep(10.0)
+    finally:
+        logging.shutdown()
+        os._exit(code)
+
+
+class Watchdog:
+    """Calls ``abort`` if the arm is still running after ``seconds`` (a hang in a collective)."""
+
+    def __init__(self, seconds: float, out: Path, record: dict, state: dict) -> None:
+        self._timer = threading.Timer(seconds, self._fire, args=(seconds, out, record, state))
+        self._timer.daemon = True
+
+    @staticmethod
+    def _fire(seconds: float, out: Path, record: dict, state: dict) -> None:
+        logger.error("arm still running after %.0f s: recording it as timed out, exiting", seconds)
+        error = f"TimeoutError: still running after {seconds:.0f} s (hung or too slow)"
+        if state.get("error"):
+            error = f"{state['error']}; then {error}"
+        abort(out, record, error, 124)
+
+    def __enter__(self) -> Watchdog:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+
+def run_arm(spec: ArmSpec, ctx: ArmContext, regime: str, args, batches, ctrl, base: dict) -> dict:
+    """Build, time and free one arm on this rank; every rank returns the same record."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    record = {**base, "arm": spec.name, "label": spec.label, "regime": regime,
+              "batch": ctx.batch, "seq_len": ctx.seq_len, "communicates": spec.communicates}  # fmt: skip
+    warmup = max(args.warmup, spec.min_warmup)
+    state: dict[str, str | None] = {"error": None}  # this rank's own failure, for the watchdog
+    result: dict | None = None
+    arm = None
+    with Watchdog(args.arm_timeout, args.out, record, state):
+        try:
+            torch._dynamo.reset()
+            arm = spec.build(ctx)
+            reset_memory(ctx.device)
+            m = measure(arm.step, batches, warmup=warmup, steps=args.steps, device=ctx.device)
+            result = {**asdict(m), "note": arm.note}
+            if args.profile:
+                trace = args.out / "traces" / f"{regime}_{spec.name}_rank{rank}.json.gz"
+                summary = profile_steps(arm.step, batches, steps=args.profile_steps,
+                                        device=ctx.device, trace_path=trace, keep_trace=rank == 0)  # fmt: skip
+                result["profile"] = summary.to_dict()
+        except Exception as e:  # noqa: BLE001 - recorded in the table, the run goes on
+            logger.exception("arm %s (%s) failed on rank %d", spec.name, regime, rank)
+            state["error"] = f"{type(e).__name__}: {e}"
+        # One gloo collective that every rank reaches, whatever happened in its arm; a rank
+        # stuck in the arm's collectives never does, and the watchdog ends the run.
+        outcomes: list = [None] * world
+        try:
+            dist.all_gather_object(outcomes, (state["error"], result), group=ctrl)
+        except Exception as e:  # noqa: BLE001 - another rank died: nothing left to agree with
+            own = f"{state['error']}; then " if state["error"] else ""
+            abort(args.out, record, f"{own}lost the other ranks: {type(e).__name__}: {e}", 1)
+    close_arm(arm)
+    arm = None
+    free_memory(ctx.device)
+
+    failed: dict[str, list[int]] = {}
+    for r, (err, _) in enumerate(outcomes):
+        if err is not None:
+            failed.setdefault(err[:2000], []).append(r)
+    if failed:
+        errors = [f"rank {','.join(map(str, ranks))}: {err}" for err, ranks in failed.items()]
+        return {**record, "status": "error", "error": "; ".join(errors)}
+    results = [res for _, res in outcomes]
+    main = results[0]
+    losses = [sum(r["losses"][i] for r in results) / world for i in range(len(main["losses"]))]
+    n_check = args.warmup + args.steps
+    peaks = [r["peak_mem_gib"] for r in results if r["peak_mem_gib"] is not None]
+    reserved = [r["peak_reserved_gib"] for r in results if r["peak_reserved_gib"] is not None]
+    return {
+        **record,
+        "status": "ok",
+        "error": None,
+        "warmup_arm": warmup,
+        "step_ms": max(r["step_ms"] for r in results),  # ranks wait for each other: take the slowest
+        "step_ms_all": main["step_ms_all"],
+        "host_ms": main["host_ms"],
+        "first_step_s": max(r["first_step_s"] for r in results),
+        "peak_mem_gib": max(peaks) if peaks else None,
+        "peak_reserved_gib": max(reserved) if reserved else None,
+        "losses": losses,
+        "loss_first": losses[0],
+        "loss_at_n": losses[n_check - 1],
+        "note": main["note"],
+        "profile": main.get("profile"),
+        **derived(max(r["step_ms"] for r in results), batch=ctx.batch, seq_len=ctx.seq_len,
+                  flops_per_token=ctx.cfg.flops_per_token(ctx.seq_len)),  # fmt: skip
+    }
+
+
+def close_arm(arm) -> None:
+    try:
+        if arm is not None and arm.close is not None:
+            arm.close()
+    except Exception:  # noqa: BLE001 - the results are in; a failing close only gets logged
+        logger.exception("closing the arm failed")
+
+
+def free_memory(device: torch.device) -> None:
+    """After the last reference to an arm is gone: drop compiled code, cached blocks, the peak."""
+    gc.collect()
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _write(out: Path, record: dict) -> None:
+    """Rank 0: add the record (annotated against the records before it) and redraw the reports."""
+    records = report.read_records(out)
+    records = [r for r in records if (r["regime"], r["arm"]) != (record["regime"], record["arm"])]
+    report.annotate([*records, record])
+    report.append_record(out, record)
+    report.write_reports(out)
+
+
+def worker(args: argparse.Namespace) -> int:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[rank{rank} %(asctime)s] %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    use_cuda = not args.cpu and torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    timeout = datetime.timedelta(seconds=args.arm_timeout + 60)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+    ctrl = dist.new_group(backend="gloo", timeout=timeout)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world,))
+    arms = select_arms(args.arms, args.skip)
+    plan = regimes(args)
+    cfg = LlamaConfig(
+        vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+        ffn_dim=args.ffn, max_seq_len=max(seq for _, seq in plan.values()),
+    )  # fmt: skip
+    if rank == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        if args.fresh:
+            for name in (report.RESULTS, report.TABLE, report.CHART):
+                (args.out / name).unlink(missing_ok=True)
+        logger.info("arms %s; regimes %s; %d ranks on %s", [a.name for a in arms], plan, world, device)
+    run_id = [datetime.datetime.now().strftime("%Y%m%d-%H%M%S-") + str(os.getpid())]
+    dist.broadcast_object_list(run_id, src=0, group=ctrl)
+    base = {
+        "run_id": run_id[0], "world_size": world, "steps": args.steps, "warmup": args.warmup, "lr": args.lr,
+        "seed": args.seed, "n_check": args.warmup + args.steps, "loss_rtol": args.loss_rtol,
+        "data_batches": args.data_batches, "meta": _meta(args, cfg, device, world),
+    }  # fmt: skip
+    # Arm by arm (each over the regimes): the DeepSpeed arms, which patch torch, come last.
+    for order, spec in enumerate(arms):
+        for regime, (batch, seq) in plan.items():
+            ctx = ArmContext(cfg=cfg, mesh=mesh, device=device, batch=batch, seq_len=seq,
+                             seed=args.seed, lr=args.lr, compile_backend=args.compile_backend)  # fmt: skip
+            batches = make_batches(args, cfg, batch, seq, device)
+            if rank == 0:
+                logger.info("== %s, regime %s (%d x %d per rank)", spec.name, regime, batch, seq)
+            record = run_arm(spec, ctx, regime, args, batches, ctrl, {**base, "order": order})
+            del batches
+            if rank == 0:
+                _write(args.out, record)
+                logger.info("%s", _one_line(record))
+    dist.barrier(group=ctrl)
+    if rank == 0:
+        print(report.write_reports(args.out))
+        logger.info("results in %s", args.out)
+    dist.destroy_process_group()
+    return 0
+
+
+def _one_line(r: dict) -> str:
+    if r["status"] != "ok":
+        return f"{r['arm']} {r['regime']}: FAILED {r['error']}"
+    ratio = r.get("ratio_to_floor")
+    return (
+        f"{r['arm']} {r['regime']}: {r['step_ms']:.1f} ms/step"
+        + (f" ({ratio:.2f}x floor)" if ratio else "")
+        + (f", peak {r['peak_mem_gib']:.2f} GiB" if r["peak_mem_gib"] is not None else "")
+        + f", first step {r['first_step_s']:.1f} s, "
+        f"loss {r['loss_first']:.4f} -> {r['loss_at_n']:.4f}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return relaunch(args, argv)
+    return worker(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""Record the collectives an eager region issues, in order (a TorchDispatchMode)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fczero.testing.graphs import COLLECTIVE_OPS
+
+
+class CollectiveLog(TorchDispatchMode):
+    """``with CollectiveLog() as log: ...`` then ``log.ops``: e.g. ``["all_gather_into_tensor", ...]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        if func.namespace == "_c10d_functional" and name in COLLECTIVE_OPS and name != "wait_tensor":
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+    def count(self, name: str) -> int:
+        return self.ops.count(name)

@@ -1,0 +1,74 @@
+"""Render FX graphs as short, stable text for expecttest snapshots.
+
+``render(gm)`` keeps one line per node (``name: "dtype[shape]" = op(args)``) and
+drops source comments, blank lines, the ``torch.ops.`` prefix and ``.default``
+overload names, so a snapshot shows only what the graph does: every all-gather,
+wait, reduce-scatter and cast in order.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+COLLECTIVE_OPS = (
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "wait_tensor",
+)
+
+
+def render(gm: torch.fx.GraphModule) -> str:
+    text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
+    lines = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#") or stripped.startswith("class "):
+            continue
+        stripped = re.sub(r";\s+[\w, ]+ = None$", "", stripped)  # drop 'x = None' frees
+        stripped = stripped.replace("torch.ops.", "").replace(".default", "")
+        lines.append(stripped)
+    return "\n".join(lines)
+
+
+def collective_sequence(gm: torch.fx.GraphModule) -> list[str]:
+    """The collectives of a graph in program order, with their shapes (rank-comparable)."""
+    seq = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        if name in COLLECTIVE_OPS:
+            val = node.meta.get("val")
+            shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+            seq.append(f"{name}{list(shape) if shape is not None else ''}")
+    return seq
+
+
+_VIEW_OPS = {"view", "t", "slice", "reshape", "permute", "transpose", "_unsafe_view", "alias", "detach"}
+
+
+def saved_unsharded(fw_gm: torch.fx.GraphModule, num_user_outputs: int = 1) -> list[str]:
+    """Names of forward outputs saved for backward that are (views of) gathered params.
+
+    AOT's forward graph returns the user outputs first, then what backward needs. A
+    saved value that traces back through views to a ``wait_tensor`` of an all-gather
+    is an unsharded param kept alive from forward to backward (stage-2 memory).
+    """
+    output = next(n for n in fw_gm.graph.nodes if n.op == "output")
+    saved = [a for a in output.args[0][num_user_outputs:] if isinstance(a, torch.fx.Node)]
+    found = []
+    for node in saved:
+        cur = node
+        while cur.op == "call_function" and _op_name(cur) in _VIEW_OPS:
+            cur = cur.args[0]
+        if cur.op == "call_function" and _op_name(cur) == "wait_tensor":
+            if _op_name(cur.args[0]) == "all_gather_into_tensor":
+                found.append(node.name)
+    return found
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target)).split(".")[0]

@@ -1,0 +1,337 @@
+"""The main job: train a small Llama on the shipped corpus with fczero (ZeRO-3).
+
+    python -m fczero.train                 # 2 local processes, gloo on CPU or NCCL on GPUs
+    torchrun --nproc-per-node 4 -m fczero.train --steps 300 --compile
+    fczero-train --param-dtype bf16 --reduce-dtype fp32 --json summary.json
+
+Run without a torchrun environment (no ``RANK`` / ``WORLD_SIZE``), it relaunches
+itself on ``--nproc`` local processes through ``torch.distributed.run``; under
+torchrun it trains. Each rank builds the same model from ``--seed``, shards it with
+``fczero.parallelize``, builds AdamW over the sharded params, and trains on its own
+random windows of the corpus (``fczero.data``). Rank 0 prints one line every
+``--log-every`` steps (loss averaged over the window and the ranks, global tokens/s,
+peak memory) and a one-line summary at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+import fczero
+from fczero.data import VOCAB_SIZE, WindowSampler, encode, load_corpus
+from fczero.models import Llama, LlamaConfig
+
+__all__ = ["build_parser", "main", "train"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@dataclass
+class Summary:
+    """What the run measured; rank 0 prints it as one line and writes it with ``--json``."""
+
+    steps: int
+    world_size: int
+    backend: str
+    compiled: bool
+    params: int
+    first_loss: float
+    last_loss: float
+    tokens_per_s: float
+    """Global tokens per second, mean over steps 2..N (step 1 warms up or compiles)."""
+    peak_memory_mib: float
+    peak_memory_kind: str
+    wall_s: float
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    """(step, loss) at every logged step."""
+    args: dict[str, object] = field(default_factory=dict)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m fczero.train`` / ``fczero-train``."""
+    p = argparse.ArgumentParser(
+        prog="python -m fczero.train",
+        description="Train a small Llama on fczero's shipped corpus with ZeRO-3 sharding.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    run = p.add_argument_group("run")
+    run.add_argument("--steps", type=int, default=150, help="optimizer steps")
+    run.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    run.add_argument("--seq-len", type=int, default=64, help="tokens (bytes) per sequence")
+    run.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    run.add_argument("--seed", type=int, default=0, help="model seed; rank r samples data with seed+r")
+    run.add_argument(
+        "--nproc",
+        type=int,
+        default=2,
+        help="local processes to launch when not already under torchrun (ignored under torchrun)",
+    )
+    model = p.add_argument_group("model")
+    model.add_argument("--dim", type=int, default=128, help="model width")
+    model.add_argument("--layers", type=int, default=2, help="decoder blocks")
+    model.add_argument("--heads", type=int, default=4, help="attention heads (must divide --dim)")
+    sharding = p.add_argument_group("fczero")
+    sharding.add_argument("--compile", action="store_true", help="torch.compile(model) (Inductor)")
+    sharding.add_argument(
+        "--param-dtype", choices=sorted(_DTYPES), default=None, help="dtype of the forward"
+    )
+    sharding.add_argument(
+        "--reduce-dtype", choices=sorted(_DTYPES), default=None, help="dtype of the grad reduce"
+    )
+    sharding.add_argument(
+        "--no-reshard",
+        action="store_true",
+        help="keep unsharded params from forward to backward (reshard_after_forward=False)",
+    )
+    out = p.add_argument_group("output")
+    out.add_argument("--log-every", type=int, default=10, help="print a line every N steps")
+    out.add_argument("--json", metavar="PATH", default=None, help="write the summary here (rank 0)")
+    return p
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("steps", "batch_size", "seq_len", "dim", "layers", "heads", "nproc", "log_every"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.dim % args.heads:
+        parser.error(f"--dim {args.dim} must be divisible by --heads {args.heads}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: relaunch on ``--nproc`` processes, or train if torchrun started us."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parse(argv)
+    if all(name in os.environ for name in _TORCHRUN_ENV):
+        train(args)
+        return 0
+    return _launch(args.nproc, argv)
+
+
+def _launch(nproc: int, argv: list[str]) -> int:
+    """Run ``python -m fczero.train argv`` on ``nproc`` local processes via torchrun."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    if "OMP_NUM_THREADS" not in os.environ:  # else torchrun sets 1 and warns
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    launch_args = get_args_parser().parse_args(
+        ["--nproc-per-node", str(nproc), "--module", "fczero.train", *argv]
+    )
+    try:
+        run(launch_args)
+    except ChildFailedError as e:
+        print(f"fczero.train: {len(e.failures)} rank(s) failed; see above.", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _init_distributed() -> tuple[DeviceMesh, torch.device]:
+    """NCCL on this local rank's GPU when there is one, else gloo on the CPU."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return init_device_mesh(device.type, (world_size,)), device
+
+
+def _model_config(args: argparse.Namespace) -> LlamaConfig:
+    ffn_dim = 8 * math.ceil(8 * args.dim / 3 / 8)  # SwiGLU's 8/3 * dim, a multiple of 8
+    return LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        ffn_dim=ffn_dim,
+        max_seq_len=args.seq_len,
+    )
+
+
+def _build_model(args: argparse.Namespace, mesh: DeviceMesh) -> nn.Module:
+    """The same Llama on every rank (seeded), then sharded in place by fczero."""
+    torch.manual_seed(args.seed)
+    model = Llama(_model_config(args))
+    return fczero.parallelize(
+        model,
+        mesh,
+        param_dtype=_DTYPES.get(args.param_dtype),
+        reduce_dtype=_DTYPES.get(args.reduce_dtype),
+        reshard_after_forward=not args.no_reshard,
+    )
+
+
+def _lr_schedule(steps: int) -> Callable[[int], float]:
+    """Linear warmup over the first ~10% of steps (at most 10), cosine decay to 10%."""
+    warmup = max(1, min(10, steps // 10))
+
+    def factor(step: int) -> float:  # step counts from 0
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _next_token_loss(forward: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of predicting ``batch[:, 1:]`` from ``batch[:, :-1]`` (as ``Llama.loss``)."""
+    logits = forward(batch[:, :-1])  # (B, T, V)
+    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+
+
+def _peak_memory(device: torch.device) -> tuple[float, str]:
+    """(MiB, label): CUDA peak allocated on GPU, this process's max RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "peak alloc"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**20 if sys.platform == "darwin" else 2**10), "max RSS"
+
+
+def _global_mean(value: torch.Tensor, world_size: int) -> float:
+    """Mean of a 0-d tensor over ranks (a collective: every rank must call it)."""
+    value = value.detach().float().clone()
+    dist.all_reduce(value)
+    return value.item() / world_size
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(args: argparse.Namespace) -> Summary:
+    """Train under an initialized torchrun environment; rank 0 prints and returns the summary."""
+    start = time.perf_counter()
+    mesh, device = _init_distributed()
+    try:
+        return _train_loop(args, mesh, device, start)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_loop(
+    args: argparse.Namespace, mesh: DeviceMesh, device: torch.device, start: float
+) -> Summary:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    is_main = rank == 0
+    model = _build_model(args, mesh)
+    forward = torch.compile(model) if args.compile else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_schedule(args.steps))
+    sampler = WindowSampler(
+        encode(load_corpus()),
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        rank=rank,
+        device=device,
+    )
+    n_params = sum(p.numel() for p in model.parameters())  # DTensor numel: the global size
+    tokens_per_step = args.batch_size * args.seq_len * world
+    if is_main:
+        print(_header(args, n_params, world, dist.get_backend(), device), flush=True)
+
+    losses: list[tuple[int, float]] = []
+    window_loss = torch.zeros((), device=device)
+    window_start, window_steps, warm_start = time.perf_counter(), 0, None
+    for step in range(1, args.steps + 1):
+        loss = _next_token_loss(forward, sampler.next_batch())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        window_loss += loss.detach()
+        window_steps += 1
+        if step == 1 or step % args.log_every == 0 or step == args.steps:
+            mean_loss = _global_mean(window_loss, world) / window_steps
+            _sync(device)
+            now = time.perf_counter()
+            losses.append((step, mean_loss))
+            if is_main:
+                tok_s = tokens_per_step * window_steps / (now - window_start)
+                mem, kind = _peak_memory(device)
+                print(_step_line(step, args.steps, mean_loss, tok_s, mem, kind), flush=True)
+            if step == 1:
+                warm_start = now
+            window_loss.zero_()
+            window_start, window_steps = time.perf_counter(), 0
+    _sync(device)
+    end = time.perf_counter()
+
+    mem, kind = _peak_memory(device)
+    warm_steps = args.steps - 1
+    summary = Summary(
+        steps=args.steps,
+        world_size=world,
+        backend=dist.get_backend(),
+        compiled=args.compile,
+        params=n_params,
+        first_loss=losses[0][1],
+        last_loss=losses[-1][1],
+        tokens_per_s=tokens_per_step * warm_steps / (end - warm_start) if warm_steps else 0.0,
+        peak_memory_mib=mem,
+        peak_memory_kind=kind,
+        wall_s=end - start,
+        losses=losses,
+        args=vars(args),
+    )
+    if is_main:
+        print(_summary_line(summary), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(asdict(summary), f, indent=2)
+    return summary
+
+
+def _header(
+    args: argparse.Namespace, n_params: int, world: int, backend: str, device: torch.device
+) -> str:
+    mode = "compiled" if args.compile else "eager"
+    dtypes = f"param {args.param_dtype or 'fp32'}, reduce {args.reduce_dtype or 'param'}"
+    stage = "reshard after forward" if not args.no_reshard else "no reshard"
+    return (
+        f"fczero.train: Llama {n_params / 1e6:.2f}M params (dim {args.dim}, {args.layers} layers, "
+        f"{args.heads} heads) | {world} ranks x batch {args.batch_size} x seq {args.seq_len} | "
+        f"{backend} on {device.type} | {mode}, {dtypes}, {stage}"
+    )
+
+
+def _step_line(step: int, steps: int, loss: float, tok_s: float, mem: float, kind: str) -> str:
+    width = len(str(steps))
+    return (
+        f"step {step:>{width}}/{steps} | loss {loss:.4f} | {tok_s:>9,.0f} tok/s | "
+        f"{kind} {mem:,.0f} MiB (rank 0)"
+    )
+
+
+def _summary_line(s: Summary) -> str:
+    return (
+        f"done: {s.steps} steps | loss {s.first_loss:.4f} -> {s.last_loss:.4f} | "
+        f"{s.tokens_per_s:,.0f} tok/s mean | {s.peak_memory_kind} {s.peak_memory_mib:,.0f} MiB "
+        f"(rank 0) | wall {s.wall_s:.1f} s"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

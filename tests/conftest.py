@@ -1,0 +1,27 @@
+"""Shared fixtures: a fake process group for graph tests, Dynamo reset between tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def fake_pg(request):
+    """A fake process group of ``world_size`` (default 2, or the test's param) on one CPU process.
+
+    Collectives compile and run but return garbage: use it for graphs and errors, never numerics.
+    """
+    world_size = getattr(request, "param", 2)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    yield world_size
+    dist.destroy_process_group()

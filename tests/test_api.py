@@ -1,0 +1,129 @@
+"""parallelize(): what the sharded model looks like, and every bad input it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import fczero
+from tests.models import TwoLayer, UnevenTiedMLP
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True)
+def test_params_become_sharded_dtensors(fake_pg):
+    model = UnevenTiedMLP()
+    whole = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fczero.parallelize(model, init_device_mesh("cpu", (4,)))
+
+    params = dict(model.named_parameters())
+    assert params.keys() == whole.keys()  # the tied weight is still listed once
+    for name, p in params.items():
+        assert isinstance(p, nn.Parameter) and isinstance(p, DTensor), name
+        assert p.shape == whole[name].shape, name
+    assert params["inp.weight"].placements == (Shard(0),)
+    # 13 rows on 4 ranks: torch.chunk gives rank 0 rows [0, 4)
+    assert params["inp.weight"].to_local().shape == (4, 5)
+    torch.testing.assert_close(params["inp.weight"].to_local(), whole["inp.weight"][:4])
+    assert params["scale"].placements == (Replicate(),)  # 0-d cannot be split
+    assert params["frozen.weight"].requires_grad is False
+    assert model.back._parameters["weight"] is model.inp._parameters["weight"]
+    assert isinstance(model.shift, torch.Tensor) and not isinstance(model.shift, DTensor)
+
+    state = model.state_dict()
+    assert all(isinstance(v, DTensor) for k, v in state.items() if k != "shift")
+    assert type(model.inp).__name__ == "FCZeroLinear"
+
+
+def test_module_sees_unsharded_param(fake_pg):
+    model = TwoLayer()
+    fczero.parallelize(model, init_device_mesh("cpu", (2,)), param_dtype=torch.bfloat16)
+    w = model.fc1.weight + 0  # gathered on access (the add waits for the all-gather)
+    assert not isinstance(w, DTensor)
+    assert w.shape == (16, 8) and w.dtype == torch.bfloat16
+    assert model.fc1._parameters["weight"].dtype == torch.float32  # the shard keeps its dtype
+
+
+def test_returns_same_model_and_reports_parallelized(fake_pg):
+    model = TwoLayer()
+    assert not fczero.is_parallelized(model)
+    assert fczero.parallelize(model, init_device_mesh("cpu", (2,))) is model
+    assert fczero.is_parallelized(model)
+
+
+# ---- bad input: a clear error before anything is sharded ----------------------------
+
+
+def _assert_untouched(model: nn.Module) -> None:
+    assert not fczero.is_parallelized(model)
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True)
+def test_multi_axis_mesh_needs_axis(fake_pg):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "shard"))
+    model = TwoLayer()
+    with pytest.raises(ValueError, match=r"mesh has 2 axes .* say which one is data-parallel"):
+        fczero.parallelize(model, mesh)
+    _assert_untouched(model)
+    with pytest.raises(ValueError, match=r"axis='dp' is not one of the mesh's axes"):
+        fczero.parallelize(model, mesh, axis="dp")
+    fczero.parallelize(model, mesh, axis="shard")
+    assert model.fc1._parameters["weight"].device_mesh.mesh_dim_names == ("shard",)
+
+
+def test_parallelize_twice(fake_pg):
+    model = TwoLayer()
+    mesh = init_device_mesh("cpu", (2,))
+    fczero.parallelize(model, mesh)
+    with pytest.raises(ValueError, match="already parallelized; call parallelize once"):
+        fczero.parallelize(model, mesh)
+    with pytest.raises(ValueError, match="already parallelized"):
+        fczero.parallelize(model.fc1, mesh)
+
+
+def test_non_floating_param(fake_pg):
+    model = TwoLayer()
+    model.steps = nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+    with pytest.raises(TypeError, match=r"'steps' has dtype torch.int64; .* as a buffer"):
+        fczero.parallelize(model, init_device_mesh("cpu", (2,)))
+    _assert_untouched(model)
+
+
+def test_unknown_option_suggests_the_closest(fake_pg):
+    model = TwoLayer()
+    with pytest.raises(TypeError, match=r"unknown option 'param_dtyp'. Did you mean 'param_dtype'"):
+        fczero.parallelize(model, init_device_mesh("cpu", (2,)), param_dtyp=torch.bfloat16)
+    _assert_untouched(model)
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ({"param_dtype": "bf16"}, r"param_dtype must be a torch.dtype such as torch.bfloat16"),
+        ({"reduce_dtype": torch.int32}, r"reduce_dtype=torch.int32 is not a floating dtype"),
+        ({"reshard_after_forward": 1}, r"reshard_after_forward must be True .* or False"),
+        ({"axis": 1.5}, r"axis must be a mesh axis name \(str\) or index \(int\)"),
+    ],
+)
+def test_wrong_option_types(fake_pg, option, message):
+    model = TwoLayer()
+    with pytest.raises((TypeError, ValueError), match=message):
+        fczero.parallelize(model, init_device_mesh("cpu", (2,)), **option)
+    _assert_untouched(model)
+
+
+def test_not_a_mesh_or_module(fake_pg):
+    with pytest.raises(TypeError, match="needs a DeviceMesh, e.g. .*init_device_mesh"):
+        fczero.parallelize(TwoLayer(), "cpu")
+    with pytest.raises(TypeError, match="needs an nn.Module"):
+        fczero.parallelize(lambda x: x, init_device_mesh("cpu", (2,)))
+
+
+def test_meta_params_are_refused(fake_pg):
+    with torch.device("meta"):
+        model = TwoLayer()
+    with pytest.raises(ValueError, match="on the meta device; materialize"):
+        fczero.parallelize(model, init_device_mesh("cpu", (2,)))

@@ -1,0 +1,241 @@
+"""Compiled graphs under the fake process group: where each collective lands.
+
+Snapshots are of the forward and backward graphs that AOT autograd hands to the
+backend (``aot_eager`` here; Inductor receives the same graphs), rendered by
+``fczero.testing.graphs.render``. They are recorded with torch 2.13 and asserted
+only there: other versions name and order some nodes differently.
+Regenerate with ``EXPECTTEST_ACCEPT=1 pytest tests/test_graphs.py``, then read them.
+"""
+
+from __future__ import annotations
+
+import unittest
+
+import expecttest
+import torch
+import torch.distributed as dist
+from torch._dynamo.testing import AotEagerAndRecordGraphs
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import fczero
+from fczero.testing.graphs import collective_sequence, render, saved_unsharded
+from tests.models import GraphBreakMLP, TwoLayer
+
+SNAPSHOT_TORCH = "2.13"
+same_torch = unittest.skipUnless(
+    torch.__version__.startswith(SNAPSHOT_TORCH), f"snapshots recorded with torch {SNAPSHOT_TORCH}"
+)
+
+
+class GraphTest(expecttest.TestCase):
+    def setUp(self) -> None:
+        torch._dynamo.reset()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+
+    def tearDown(self) -> None:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+
+    def compile_two_layer(self, **options) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+        """The model's (forward, backward) graphs. With ``param_dtype`` the root's input cast
+        (a forward pre-hook) compiles as a graph of its own, without collectives."""
+        torch.manual_seed(0)
+        model = fczero.parallelize(TwoLayer(), init_device_mesh("cpu", (2,)), **options)
+        backend = AotEagerAndRecordGraphs()
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        compiled(torch.randn(3, 8)).sum().backward()
+        forward = [g for g in backend.fw_graphs if collective_sequence(g)]
+        self.assertEqual(len(forward), 1)
+        self.assertEqual(len(backend.bw_graphs), 1)
+        return forward[0], backend.bw_graphs[0]
+
+    def test_partitioner_regathers_in_backward_when_resharding(self):
+        fw, bw = self.compile_two_layer(reshard_after_forward=True)
+        self.assertEqual(saved_unsharded(fw), [])
+        self.assertIn("all_gather_into_tensor[4, 16]", collective_sequence(bw))
+
+    def test_partitioner_keeps_unsharded_params_without_resharding(self):
+        fw, bw = self.compile_two_layer(reshard_after_forward=False)
+        self.assertEqual(len(saved_unsharded(fw)), 1)  # fc2.weight
+        self.assertNotIn("all_gather_into_tensor", " ".join(collective_sequence(bw)))
+
+    def test_graph_break_compiles_each_piece_with_its_gathers(self):
+        model = fczero.parallelize(GraphBreakMLP(), init_device_mesh("cpu", (2,)))
+        backend = AotEagerAndRecordGraphs()
+        torch.compile(model, backend=backend)(torch.randn(4, 5)).sum().backward()
+        pieces = [collective_sequence(g) for g in backend.fw_graphs]
+        self.assertEqual(len(pieces), 3)  # split at the print and at the branch
+        self.assertTrue(all(any(op.startswith("all_gather") for op in p) for p in pieces))
+        self.assertEqual(len(backend.bw_graphs), 2)  # the branch condition's piece has no backward
+
+    @same_torch
+    def test_snapshot_reshard_after_forward(self):
+        fw, bw = self.compile_two_layer(reshard_after_forward=True)
+        self.assertExpectedInline(render(fw), """\
+def forward(self, primals_1: "f32[8, 8]", primals_2, primals_3: "f32[8]", primals_4, primals_5: "f32[3, 8]", primals_6: "f32[2, 16]", primals_7):
+view: "f32[8, 8]" = aten.view(primals_1, [8, 8])
+all_gather_into_tensor: "f32[16, 8]" = _c10d_functional.all_gather_into_tensor(view, 2, '0')
+wait_tensor: "f32[16, 8]" = _c10d_functional.wait_tensor(all_gather_into_tensor)
+view_1: "f32[8]" = aten.view(primals_3, [8])
+all_gather_into_tensor_1: "f32[16]" = _c10d_functional.all_gather_into_tensor(view_1, 2, '0')
+wait_tensor_1: "f32[16]" = _c10d_functional.wait_tensor(all_gather_into_tensor_1)
+t: "f32[8, 16]" = aten.t(wait_tensor)
+addmm: "f32[3, 16]" = aten.addmm(wait_tensor_1, primals_5, t);  wait_tensor_1 = t = None
+relu: "f32[3, 16]" = aten.relu(addmm)
+view_2: "f32[2, 16]" = aten.view(primals_6, [2, 16])
+all_gather_into_tensor_2: "f32[4, 16]" = _c10d_functional.all_gather_into_tensor(view_2, 2, '0')
+wait_tensor_2: "f32[4, 16]" = _c10d_functional.wait_tensor(all_gather_into_tensor_2)
+t_1: "f32[16, 4]" = aten.t(wait_tensor_2)
+mm: "f32[3, 4]" = aten.mm(relu, t_1)
+return (mm, primals_1, primals_5, view_1, relu, view_2, primals_2)""")
+        self.assertExpectedInline(render(bw), """\
+def forward(self, primals_1: "f32[8, 8]", primals_5: "f32[3, 8]", view_1: "f32[8]", relu: "f32[3, 16]", view_2: "f32[2, 16]", primals_2, tangents_1: "f32[3, 4]"):
+t_2: "f32[4, 3]" = aten.t(tangents_1)
+mm_1: "f32[4, 16]" = aten.mm(t_2, relu)
+t_3: "f32[16, 4]" = aten.t(mm_1)
+all_gather_into_tensor_2: "f32[4, 16]" = _c10d_functional.all_gather_into_tensor(view_2, 2, '0')
+wait_tensor_2: "f32[4, 16]" = _c10d_functional.wait_tensor(all_gather_into_tensor_2)
+t_1: "f32[16, 4]" = aten.t(wait_tensor_2)
+t_4: "f32[4, 16]" = aten.t(t_1)
+mm_2: "f32[3, 16]" = aten.mm(tangents_1, t_4);  tangents_1 = t_4 = None
+t_5: "f32[4, 16]" = aten.t(t_3)
+reduce_scatter_tensor: "f32[2, 16]" = _c10d_functional.reduce_scatter_tensor(t_5, 'sum', 2, '0')
+wait_tensor_3: "f32[2, 16]" = _c10d_functional.wait_tensor(reduce_scatter_tensor)
+div: "f32[2, 16]" = aten.div.Tensor(wait_tensor_3, 2)
+view_3: "f32[2, 16]" = aten.view(div, [2, 16])
+detach_4: "f32[3, 16]" = aten.detach(relu)
+detach_7: "f32[3, 16]" = aten.detach(detach_4)
+threshold_backward: "f32[3, 16]" = aten.threshold_backward(mm_2, detach_7, 0);  mm_2 = detach_7 = None
+t_6: "f32[16, 3]" = aten.t(threshold_backward)
+mm_3: "f32[16, 8]" = aten.mm(t_6, primals_5);  t_6 = primals_5 = None
+t_7: "f32[8, 16]" = aten.t(mm_3)
+sum_1: "f32[1, 16]" = aten.sum.dim_IntList(threshold_backward, [0], True)
+view_4: "f32[16]" = aten.view(sum_1, [16])
+t_8: "f32[16, 8]" = aten.t(t_7)
+reduce_scatter_tensor_1: "f32[8]" = _c10d_functional.reduce_scatter_tensor(view_4, 'sum', 2, '0')
+wait_tensor_4: "f32[8]" = _c10d_functional.wait_tensor(reduce_scatter_tensor_1)
+div_1: "f32[8]" = aten.div.Tensor(wait_tensor_4, 2)
+view_5: "f32[8]" = aten.view(div_1, [8])
+reduce_scatter_tensor_2: "f32[8, 8]" = _c10d_functional.reduce_scatter_tensor(t_8, 'sum', 2, '0')
+wait_tensor_5: "f32[8, 8]" = _c10d_functional.wait_tensor(reduce_scatter_tensor_2)
+div_2: "f32[8, 8]" = aten.div.Tensor(wait_tensor_5, 2)
+view_6: "f32[8, 8]" = aten.view(div_2, [8, 8])
+return (view_6, primals_2, view_5, primals_2, None, view_3, primals_2)""")
+
+    @same_torch
+    def test_snapshot_keep_after_forward(self):
+        fw, bw = self.compile_two_layer(reshard_after_forward=False)
+        self.assertExpectedInline(render(fw), """\
+def forward(self, primals_1: "f32[8, 8]", primals_2, primals_3: "f32[8]", primals_4, primals_5: "f32[3, 8]", primals_6: "f32[2, 16]", primals_7):
+view: "f32[8, 8]" = aten.view(primals_1, [8, 8])
+all_gather_into_tensor: "f32[16, 8]" = _c10d_functional.all_gather_into_tensor(view, 2, '0')
+wait_tensor: "f32[16, 8]" = _c10d_functional.wait_tensor(all_gather_into_tensor)
+view_1: "f32[8]" = aten.view(primals_3, [8])
+all_gather_into_tensor_1: "f32[16]" = _c10d_functional.all_gather_into_tensor(view_1, 2, '0')
+wait_tensor_1: "f32[16]" = _c10d_functional.wait_tensor(all_gather_into_tensor_1)
+t: "f32[8, 16]" = aten.t(wait_tensor)
+addmm: "f32[3, 16]" = aten.addmm(wait_tensor_1, primals_5, t);  wait_tensor_1 = t = None
+relu: "f32[3, 16]" = aten.relu(addmm)
+view_2: "f32[2, 16]" = aten.view(primals_6, [2, 16])
+all_gather_into_tensor_2: "f32[4, 16]" = _c10d_functional.all_gather_into_tensor(view_2, 2, '0')
+wait_tensor_2: "f32[4, 16]" = _c10d_functional.wait_tensor(all_gather_into_tensor_2)
+t_1: "f32[16, 4]" = aten.t(wait_tensor_2)
+mm: "f32[3, 4]" = aten.mm(relu, t_1)
+t_4: "f32[4, 16]" = aten.t(t_1)
+return (mm, primals_5, relu, t_4, primals_2)""")
+        self.assertExpectedInline(render(bw), """\
+def forward(self, primals_5: "f32[3, 8]", relu: "f32[3, 16]", t_4: "f32[4, 16]", primals_2, tangents_1: "f32[3, 4]"):
+t_2: "f32[4, 3]" = aten.t(tangents_1)
+mm_1: "f32[4, 16]" = aten.mm(t_2, relu)
+t_3: "f32[16, 4]" = aten.t(mm_1)
+mm_2: "f32[3, 16]" = aten.mm(tangents_1, t_4);  tangents_1 = t_4 = None
+t_5: "f32[4, 16]" = aten.t(t_3)
+reduce_scatter_tensor: "f32[2, 16]" = _c10d_functional.reduce_scatter_tensor(t_5, 'sum', 2, '0')
+wait_tensor_3: "f32[2, 16]" = _c10d_functional.wait_tensor(reduce_scatter_tensor)
+div: "f32[2, 16]" = aten.div.Tensor(wait_tensor_3, 2)
+view_3: "f32[2, 16]" = aten.view(div, [2, 16])
+detach: "f32[3, 16]" = aten.detach(relu)
+detach_1: "f32[3, 16]" = aten.detach(detach)
+threshold_backward: "f32[3, 16]" = aten.threshold_backward(mm_2, detach_1, 0);  mm_2 = detach_1 = None
+t_6: "f32[16, 3]" = aten.t(threshold_backward)
+mm_3: "f32[16, 8]" = aten.mm(t_6, primals_5);  t_6 = primals_5 = None
+t_7: "f32[8, 16]" = aten.t(mm_3)
+sum_1: "f32[1, 16]" = aten.sum.dim_IntList(threshold_backward, [0], True)
+view_4: "f32[16]" = aten.view(sum_1, [16])
+t_8: "f32[16, 8]" = aten.t(t_7)
+reduce_scatter_tensor_1: "f32[8]" = _c10d_functional.reduce_scatter_tensor(view_4, 'sum', 2, '0')
+wait_tensor_4: "f32[8]" = _c10d_functional.wait_tensor(reduce_scatter_tensor_1)
+div_1: "f32[8]" = aten.div.Tensor(wait_tensor_4, 2)
+view_5: "f32[8]" = aten.view(div_1, [8])
+reduce_scatter_tensor_2: "f32[8, 8]" = _c10d_functional.reduce_scatter_tensor(t_8, 'sum', 2, '0')
+wait_tensor_5: "f32[8, 8]" = _c10d_functional.wait_tensor(reduce_scatter_tensor_2)
+div_2: "f32[8, 8]" = aten.div.Tensor(wait_tensor_5, 2)
+view_6: "f32[8, 8]" = aten.view(div_2, [8, 8])
+return (view_6, primals_2, view_5, primals_2, None, view_3, primals_2)""")
+
+    @same_torch
+    def test_snapshot_bf16_params_fp32_reduce(self):
+        fw, bw = self.compile_two_layer(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        self.assertExpectedInline(render(fw), """\
+def forward(self, primals_1: "f32[8, 8]", primals_2, primals_3: "f32[8]", primals_4, primals_5: "bf16[3, 8]", primals_6: "f32[2, 16]", primals_7):
+view: "f32[8, 8]" = aten.view(primals_1, [8, 8])
+_to_copy: "bf16[8, 8]" = aten._to_copy(view, dtype = torch.bfloat16)
+all_gather_into_tensor: "bf16[16, 8]" = _c10d_functional.all_gather_into_tensor(_to_copy, 2, '0')
+wait_tensor: "bf16[16, 8]" = _c10d_functional.wait_tensor(all_gather_into_tensor)
+view_1: "f32[8]" = aten.view(primals_3, [8])
+_to_copy_1: "bf16[8]" = aten._to_copy(view_1, dtype = torch.bfloat16)
+all_gather_into_tensor_1: "bf16[16]" = _c10d_functional.all_gather_into_tensor(_to_copy_1, 2, '0')
+wait_tensor_1: "bf16[16]" = _c10d_functional.wait_tensor(all_gather_into_tensor_1)
+t: "bf16[8, 16]" = aten.t(wait_tensor)
+addmm: "bf16[3, 16]" = aten.addmm(wait_tensor_1, primals_5, t);  wait_tensor_1 = t = None
+relu: "bf16[3, 16]" = aten.relu(addmm)
+view_2: "f32[2, 16]" = aten.view(primals_6, [2, 16])
+_to_copy_2: "bf16[2, 16]" = aten._to_copy(view_2, dtype = torch.bfloat16)
+all_gather_into_tensor_2: "bf16[4, 16]" = _c10d_functional.all_gather_into_tensor(_to_copy_2, 2, '0')
+wait_tensor_2: "bf16[4, 16]" = _c10d_functional.wait_tensor(all_gather_into_tensor_2)
+t_1: "bf16[16, 4]" = aten.t(wait_tensor_2)
+mm: "bf16[3, 4]" = aten.mm(relu, t_1)
+return (mm, primals_1, primals_3, primals_5, primals_6, relu, primals_2)""")
+        self.assertExpectedInline(render(bw), """\
+def forward(self, primals_1: "f32[8, 8]", primals_3: "f32[8]", primals_5: "bf16[3, 8]", primals_6: "f32[2, 16]", relu: "bf16[3, 16]", primals_2, tangents_1: "bf16[3, 4]"):
+t_2: "bf16[4, 3]" = aten.t(tangents_1)
+mm_1: "bf16[4, 16]" = aten.mm(t_2, relu)
+t_3: "bf16[16, 4]" = aten.t(mm_1)
+view_2: "f32[2, 16]" = aten.view(primals_6, [2, 16])
+_to_copy_2: "bf16[2, 16]" = aten._to_copy(view_2, dtype = torch.bfloat16)
+all_gather_into_tensor_2: "bf16[4, 16]" = _c10d_functional.all_gather_into_tensor(_to_copy_2, 2, '0')
+wait_tensor_2: "bf16[4, 16]" = _c10d_functional.wait_tensor(all_gather_into_tensor_2)
+t_1: "bf16[16, 4]" = aten.t(wait_tensor_2)
+t_4: "bf16[4, 16]" = aten.t(t_1)
+mm_2: "bf16[3, 16]" = aten.mm(tangents_1, t_4);  tangents_1 = t_4 = None
+t_5: "bf16[4, 16]" = aten.t(t_3)
+_to_copy_3: "f32[4, 16]" = aten._to_copy(t_5, dtype = torch.float32)
+reduce_scatter_tensor: "f32[2, 16]" = _c10d_functional.reduce_scatter_tensor(_to_copy_3, 'sum', 2, '0')
+wait_tensor_3: "f32[2, 16]" = _c10d_functional.wait_tensor(reduce_scatter_tensor)
+div: "f32[2, 16]" = aten.div.Tensor(wait_tensor_3, 2)
+view_3: "f32[2, 16]" = aten.view(div, [2, 16])
+detach_6: "bf16[3, 16]" = aten.detach(relu)
+detach_10: "bf16[3, 16]" = aten.detach(detach_6)
+threshold_backward: "bf16[3, 16]" = aten.threshold_backward(mm_2, detach_10, 0);  mm_2 = detach_10 = None
+t_6: "bf16[16, 3]" = aten.t(threshold_backward)
+mm_3: "bf16[16, 8]" = aten.mm(t_6, primals_5);  t_6 = primals_5 = None
+t_7: "bf16[8, 16]" = aten.t(mm_3)
+sum_1: "bf16[1, 16]" = aten.sum.dim_IntList(threshold_backward, [0], True)
+view_4: "bf16[16]" = aten.view(sum_1, [16])
+t_8: "bf16[16, 8]" = aten.t(t_7)
+_to_copy_4: "f32[16]" = aten._to_copy(view_4, dtype = torch.float32)
+reduce_scatter_tensor_1: "f32[8]" = _c10d_functional.reduce_scatter_tensor(_to_copy_4, 'sum', 2, '0')
+wait_tensor_4: "f32[8]" = _c10d_functional.wait_tensor(reduce_scatter_tensor_1)
+div_1: "f32[8]" = aten.div.Tensor(wait_tensor_4, 2)
+view_5: "f32[8]" = aten.view(div_1, [8])
+_to_copy_5: "f32[16, 8]" = aten._to_copy(t_8, dtype = torch.float32)
+reduce_scatter_tensor_2: "f32[8, 8]" = _c10d_functional.reduce_scatter_tensor(_to_copy_5, 'sum', 2, '0')
+wait_tensor_5: "f32[8, 8]" = _c10d_functional.wait_tensor(reduce_scatter_tensor_2)
+div_2: "f32[8, 8]" = aten.div.Tensor(wait_tensor_5, 2)
+view_6: "f32[8, 8]" = aten.view(div_2, [8, 8])
+return (view_6, primals_2, view_5, primals_2, None, view_3, primals_2)""")
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,57 @@
+"""Eager mode: asynchronous gathers, and stage 3 (free after forward, gather again in backward)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import fczero
+from fczero import resharding
+from fczero.testing.comm import CollectiveLog
+from tests.models import TwoLayer
+
+
+def test_eager_gather_is_async_collective_tensor(fake_pg):
+    model = TwoLayer()
+    fczero.parallelize(model, init_device_mesh("cpu", (2,)))
+    w = model.fc1.weight
+    assert isinstance(w, AsyncCollectiveTensor)
+    assert w.shape == (16, 8)
+    w.wait()
+
+
+@pytest.mark.parametrize(("reshard", "regathers"), [(True, 1), (False, 0)])
+def test_backward_gathers_again_only_when_resharding(fake_pg, reshard, regathers):
+    model = TwoLayer()
+    fczero.parallelize(model, init_device_mesh("cpu", (2,)), reshard_after_forward=reshard)
+    with CollectiveLog() as fwd:
+        loss = model(torch.randn(3, 8)).sum()
+    with CollectiveLog() as bwd:
+        loss.backward()
+    assert fwd.ops == ["all_gather_into_tensor"] * 3
+    # backward needs fc2.weight (for the input grad of fc2); fc1's input needs no grad
+    assert bwd.count("all_gather_into_tensor") == regathers
+    assert bwd.count("reduce_scatter_tensor") == 3
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_unsharded_params_are_freed_after_forward(fake_pg, monkeypatch):
+    model = TwoLayer()
+    fczero.parallelize(model, init_device_mesh("cpu", (2,)))
+    refs = []
+    original = resharding.register_gathered
+
+    def spy(full, spec, param):
+        inner = full.elem if isinstance(full, AsyncCollectiveTensor) else full
+        refs.append(StorageWeakRef(inner.untyped_storage()))
+        original(full, spec, param)
+
+    monkeypatch.setattr(resharding, "register_gathered", spy)
+    out = model(torch.randn(3, 8, requires_grad=True))  # the autograd graph is alive
+    assert len(refs) == 3
+    assert all(r.expired() for r in refs), "an unsharded param outlived forward"
+    out.sum().backward()
+    assert model.fc1._parameters["weight"].grad is not None
