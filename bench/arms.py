@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from bench.metrics import StepFn
@@ -106,11 +106,17 @@ def build_model(ctx: ArmContext) -> Llama:
 def adamw(params: object, ctx: ArmContext) -> torch.optim.Optimizer:
     fused = True if ctx.device.type == "cuda" else None
     return torch.optim.AdamW(
-        params, lr=ctx.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=fused  # type: ignore[arg-type]
+        params,
+        lr=ctx.lr,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        fused=fused,  # type: ignore[arg-type]
     )
 
 
-def train_step(module: Callable[[torch.Tensor], torch.Tensor], opt: torch.optim.Optimizer) -> StepFn:
+def train_step(
+    module: Callable[[torch.Tensor], torch.Tensor], opt: torch.optim.Optimizer
+) -> StepFn:
     def step(tokens: torch.Tensor) -> torch.Tensor:
         loss = module(tokens)
         loss.backward()
@@ -254,9 +260,13 @@ def build_deepspeed_deepcompile(ctx: ArmContext) -> Arm:
 ARMS: dict[str, ArmSpec] = {
     spec.name: spec
     for spec in (
-        ArmSpec(name="floor", label="floor (compiled, no comm)", build=build_floor, communicates=False),
+        ArmSpec(
+            name="floor", label="floor (compiled, no comm)", build=build_floor, communicates=False
+        ),
         ArmSpec(name="fsdp2-eager", label="FSDP2 eager", build=build_fsdp2_eager),
-        ArmSpec(name="fsdp2-compiled", label="FSDP2 compiled per block", build=build_fsdp2_compiled),
+        ArmSpec(
+            name="fsdp2-compiled", label="FSDP2 compiled per block", build=build_fsdp2_compiled
+        ),
         ArmSpec(name="ddp", label="DDP (autocast)", build=build_ddp),
         ArmSpec(name="fczero-eager", label="fczero eager", build=build_fczero_eager),
         ArmSpec(name="fczero-compiled", label="fczero compiled", build=build_fczero_compiled),

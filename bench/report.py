@@ -1,7 +1,7 @@
 """Results: one JSON line per arm and regime, a markdown table and a PNG chart.
 
 ``OUT/results.jsonl`` is the record; ``results.md`` and ``results.png`` are drawn
-from it (again after every arm, so a run that dies still leaves a table). Drawing
+from it (the table again after every arm, so a run that dies still leaves one). Drawing
 also checks the losses: within a regime, each arm's loss after N steps is compared
 with FSDP2 eager's (or, where FSDP2 eager did not run, the first arm that ran and
 communicates); a relative difference above ``loss_rtol`` (default 2e-2, about
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shutil
 from pathlib import Path
 
 logger = logging.getLogger("fczero.bench")
@@ -123,6 +122,11 @@ def _loss_cell(r: dict) -> str:
     return f"**{loss} MISMATCH ({pct:.2f}% vs {r['loss_ref_arm']})**"
 
 
+def clip(text: str, head: int = 400, tail: int = 600) -> str:
+    """The start and the end of a long message (a build log's cause is often at its end)."""
+    return text if len(text) <= head + tail + 5 else f"{text[:head]} ... {text[-tail:]}"
+
+
 def _short_error(r: dict, limit: int = 100) -> str:
     error = " ".join(str(r.get("error") or "").split()).replace("|", "/")
     return error if len(error) <= limit else error[: limit - 3] + "..."
@@ -132,18 +136,22 @@ def _header(records: list[dict]) -> list[str]:
     meta = records[-1].get("meta", {})
     model = meta.get("model", {})
     first = records[-1]
-    lines = [
+    date = (
         f"- date: {meta.get('date', '?')}; GPU: {meta.get('gpu', '?')}; "
-        f"torch {meta.get('torch', '?')}; commit {meta.get('commit', '?')}",
+        f"torch {meta.get('torch', '?')}; commit {meta.get('commit', '?')}"
+    )
+    size = (
         f"- model: dim {model.get('dim')}, {model.get('n_layers')} layers, {model.get('n_heads')} "
         f"heads, FFN {model.get('ffn_dim')}, vocab {model.get('vocab_size')} "
         f"({model.get('params', 0) / 1e6:.3g}M params); {first.get('world_size')} ranks; "
-        f"AdamW lr {first.get('lr')}",
+        f"AdamW lr {first.get('lr')}"
+    )
+    timing = (
         f"- median of {first.get('steps')} timed steps after {first.get('warmup')} warm-up "
         f"(DeepCompile: 8); loss compared at step {first.get('n_check')} against "
-        f"{REF_ARM}, relative tolerance {first.get('loss_rtol', DEFAULT_LOSS_RTOL):g}",
-    ]
-    return lines
+        f"{REF_ARM}, relative tolerance {first.get('loss_rtol', DEFAULT_LOSS_RTOL):g}"
+    )
+    return [date, size, timing]
 
 
 def markdown(records: list[dict]) -> str:
@@ -191,7 +199,8 @@ def markdown(records: list[dict]) -> str:
             ok = r.get("status") == "ok"
             status = "ok" if ok else f"FAILED: {_short_error(r)}"
             if not ok:
-                errors.append(f"- {g} / {r['arm']}: `{' '.join(str(r.get('error')).split())}`")
+                message = clip(" ".join(str(r.get("error")).split())).replace("`", "'")
+                errors.append(f"- {g} / {r['arm']}: `{message}`")
             prof = r.get("profile") or {}
             cells = [
                 r["label"],
@@ -275,12 +284,12 @@ def chart(records: list[dict], path: Path) -> bool:
     return True
 
 
-def write_reports(out_dir: Path) -> str:
-    """Redraw ``results.md`` and ``results.png`` from ``results.jsonl``; returns the markdown."""
+def write_reports(out_dir: Path, *, draw_chart: bool = True) -> str:
+    """Redraw ``results.md`` (and ``results.png``) from ``results.jsonl``; returns the markdown."""
     records = read_records(out_dir)
     text = markdown(records)
     (out_dir / TABLE).write_text(text)
-    if records:
+    if records and draw_chart:
         chart(records, out_dir / CHART)
     return text
 
@@ -302,14 +311,36 @@ def write_docs(out_dir: Path, docs: Path) -> None:
 DOCS_INTRO = """# Benchmarks
 
 fczero against FSDP2, DDP, DeepSpeed and the compute-only floor, side by side, as
-`shared/BENCHMARK.md` specifies. Regenerate with `bash bench/gpu_run.sh` on the GPU
-machine, then `python -m bench.report --out <its OUT folder> --docs docs/benchmarks.md`.
+`shared/BENCHMARK.md` specifies. On the 2 x H200 machine, from the repo root with `.whl/`
+carried: `bash bench/gpu_run.sh` (results in `$OUT`); then, here,
+`python -m bench.report --out <that folder> --docs docs/benchmarks.md` rewrites this page.
 Compare numbers only within one run: absolute times move between machines.
+
+## How the numbers are taken
+
+- One `torchrun` per regime, one process per GPU; the arms run one after another in the same
+  processes, each built from the same seed and trained on the same synthetic tokens (each rank
+  its own slice; one batch repeated, so the loss falls), memory freed between arms.
+- Step time: median over the timed steps (CUDA events) after warm-up, the slowest rank's.
+  x floor: step time over the floor's, same regime, same run. Peak: `max_memory_allocated` over
+  the timed steps, the highest rank. First step: wall time of step 1, compilation included.
+  CPU ms/step: host time inside the step call.
+- Loss check: each arm's loss at step N (averaged over ranks) against FSDP2 eager's, relative
+  tolerance 2e-2 (bf16 compute); a disagreeing arm is marked MISMATCH, never dropped. The floor
+  trains on local gradients only, so its loss is shown but not compared.
+- An arm that fails is listed with its error; one that hangs is recorded as timed out.
+- With `PROFILE=1`, each regime table adds comm ms/step and exposed comm ms/step: time collective
+  kernels run with no compute kernel alongside, from a torch.profiler trace of rank 0.
+- DeepSpeed (0.19.8, built from its source archive, carried as wheels in `.whl/`) is a
+  benchmark-only dependency; its arms use DeepSpeed's own bf16 (params and buffers in bf16) and
+  its default gradient reduction dtype.
 """
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.report", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--out", required=True, type=Path, help="folder holding results.jsonl")
     parser.add_argument("--docs", type=Path, help="also write the table and chart here")
     args = parser.parse_args(argv)

@@ -25,35 +25,35 @@ for _key, _value in (
 ):
     os.environ.setdefault(_key, _value)
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import gc  # noqa: E402
-import logging  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, replace  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import datetime
+import gc
+import logging
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from bench import report  # noqa: E402
-from bench.arms import ArmContext, ArmSpec, select_arms  # noqa: E402
-from bench.metrics import derived, measure, reset_memory  # noqa: E402
-from bench.profile import profile_steps  # noqa: E402
-from fczero.models.llama import LlamaConfig  # noqa: E402
+from bench import report
+from bench.arms import ArmContext, ArmSpec, select_arms
+from bench.metrics import derived, measure, reset_memory
+from bench.profile import profile_steps
+from fczero.models.llama import LlamaConfig
 
 logger = logging.getLogger("fczero.bench")
 
 REGIMES: dict[str, tuple[int, int]] = {"C": (4, 2048), "M": (1, 1024)}
 """Regime name -> (per-GPU batch, sequence length), as in shared/BENCHMARK.md."""
 
-SMOKE = dict(
-    cpu=True, dim=64, layers=2, heads=4, ffn=172, vocab=256, batch=2, seq=32,
-    arms="fczero-eager,fsdp2-eager", steps=3, warmup=1, nproc=2, lr=1e-3,
-)  # fmt: skip
+SMOKE: dict[str, object] = {
+    "cpu": True, "dim": 64, "layers": 2, "heads": 4, "ffn": 172, "vocab": 256, "batch": 2,
+    "seq": 32, "arms": "fczero-eager,fsdp2-eager", "steps": 3, "warmup": 1, "nproc": 2, "lr": 1e-3,
+}  # fmt: skip
 """What ``--smoke`` sets where the command line leaves it unset."""
 
 
@@ -90,12 +90,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a("--nproc", type=int, help="processes when not started by torchrun (default: GPUs, or 2)")
     a("--fresh", action="store_true", help="drop OUT's earlier results first")
     a("--commit", help="commit to print in the table (default: git rev-parse, if it works)")
-    a("--smoke", action="store_true", help="CPU smoke run: " + ", ".join(f"{k}={v}" for k, v in SMOKE.items()))
+    a(
+        "--smoke",
+        action="store_true",
+        help="CPU smoke run: " + ", ".join(f"{k}={v}" for k, v in SMOKE.items()),
+    )
     args = p.parse_args(argv)
-    defaults = dict(
-        cpu=False, dim=2048, layers=16, heads=16, ffn=5632, vocab=32000,
-        arms="all", steps=10, warmup=5, lr=3e-4,
-    )  # fmt: skip
+    defaults: dict[str, object] = {
+        "cpu": False, "dim": 2048, "layers": 16, "heads": 16, "ffn": 5632, "vocab": 32000,
+        "arms": "all", "steps": 10, "warmup": 5, "lr": 3e-4,
+    }  # fmt: skip
     for key, value in {**defaults, **(SMOKE if args.smoke else {})}.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
@@ -133,7 +137,11 @@ def relaunch(args: argparse.Namespace, argv: list[str]) -> int:
 def _git_commit() -> str:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+            ["git", "rev-parse", "--short", "HEAD"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
@@ -158,7 +166,9 @@ def make_batches(args, cfg: LlamaConfig, batch: int, seq: int, device: torch.dev
     """This rank's slice of the same synthetic tokens every arm sees: (B, T+1) per step."""
     world, rank = dist.get_world_size(), dist.get_rank()
     gen = torch.Generator().manual_seed(args.seed + 1)
-    tokens = torch.randint(0, cfg.vocab_size, (args.data_batches, world * batch, seq + 1), generator=gen)
+    tokens = torch.randint(
+        0, cfg.vocab_size, (args.data_batches, world * batch, seq + 1), generator=gen
+    )
     return [t[rank * batch : (rank + 1) * batch].to(device) for t in tokens]
 
 
@@ -204,7 +214,7 @@ class Watchdog:
             error = f"{state['error']}; then {error}"
         abort(out, record, error, 124)
 
-    def __enter__(self) -> Watchdog:
+    def __enter__(self) -> Watchdog:  # noqa: PYI034
         self._timer.start()
         return self
 
@@ -233,7 +243,7 @@ def run_arm(spec: ArmSpec, ctx: ArmContext, regime: str, args, batches, ctrl, ba
                 summary = profile_steps(arm.step, batches, steps=args.profile_steps,
                                         device=ctx.device, trace_path=trace, keep_trace=rank == 0)  # fmt: skip
                 result["profile"] = summary.to_dict()
-        except Exception as e:  # noqa: BLE001 - recorded in the table, the run goes on
+        except Exception as e:  # recorded in the table; the run goes on
             logger.exception("arm %s (%s) failed on rank %d", spec.name, regime, rank)
             state["error"] = f"{type(e).__name__}: {e}"
         # One gloo collective that every rank reaches, whatever happened in its arm; a rank
@@ -241,7 +251,7 @@ def run_arm(spec: ArmSpec, ctx: ArmContext, regime: str, args, batches, ctrl, ba
         outcomes: list = [None] * world
         try:
             dist.all_gather_object(outcomes, (state["error"], result), group=ctrl)
-        except Exception as e:  # noqa: BLE001 - another rank died: nothing left to agree with
+        except Exception as e:  # noqa: BLE001 - another rank died: nothing to agree with
             own = f"{state['error']}; then " if state["error"] else ""
             abort(args.out, record, f"{own}lost the other ranks: {type(e).__name__}: {e}", 1)
     close_arm(arm)
@@ -251,7 +261,7 @@ def run_arm(spec: ArmSpec, ctx: ArmContext, regime: str, args, batches, ctrl, ba
     failed: dict[str, list[int]] = {}
     for r, (err, _) in enumerate(outcomes):
         if err is not None:
-            failed.setdefault(err[:2000], []).append(r)
+            failed.setdefault(report.clip(err, 1000, 1000), []).append(r)
     if failed:
         errors = [f"rank {','.join(map(str, ranks))}: {err}" for err, ranks in failed.items()]
         return {**record, "status": "error", "error": "; ".join(errors)}
@@ -259,6 +269,7 @@ def run_arm(spec: ArmSpec, ctx: ArmContext, regime: str, args, batches, ctrl, ba
     main = results[0]
     losses = [sum(r["losses"][i] for r in results) / world for i in range(len(main["losses"]))]
     n_check = args.warmup + args.steps
+    step_ms = max(r["step_ms"] for r in results)
     peaks = [r["peak_mem_gib"] for r in results if r["peak_mem_gib"] is not None]
     reserved = [r["peak_reserved_gib"] for r in results if r["peak_reserved_gib"] is not None]
     return {
@@ -266,7 +277,8 @@ def run_arm(spec: ArmSpec, ctx: ArmContext, regime: str, args, batches, ctrl, ba
         "status": "ok",
         "error": None,
         "warmup_arm": warmup,
-        "step_ms": max(r["step_ms"] for r in results),  # ranks wait for each other: take the slowest
+        # The ranks wait for each other: take the slowest.
+        "step_ms": step_ms,
         "step_ms_all": main["step_ms_all"],
         "host_ms": main["host_ms"],
         "first_step_s": max(r["first_step_s"] for r in results),
@@ -277,8 +289,12 @@ def run_arm(spec: ArmSpec, ctx: ArmContext, regime: str, args, batches, ctrl, ba
         "loss_at_n": losses[n_check - 1],
         "note": main["note"],
         "profile": main.get("profile"),
-        **derived(max(r["step_ms"] for r in results), batch=ctx.batch, seq_len=ctx.seq_len,
-                  flops_per_token=ctx.cfg.flops_per_token(ctx.seq_len)),  # fmt: skip
+        **derived(
+            step_ms,
+            batch=ctx.batch,
+            seq_len=ctx.seq_len,
+            flops_per_token=ctx.cfg.flops_per_token(ctx.seq_len),
+        ),
     }
 
 
@@ -286,7 +302,7 @@ def close_arm(arm) -> None:
     try:
         if arm is not None and arm.close is not None:
             arm.close()
-    except Exception:  # noqa: BLE001 - the results are in; a failing close only gets logged
+    except Exception:  # the results are in; a failing close only gets logged
         logger.exception("closing the arm failed")
 
 
@@ -307,7 +323,7 @@ def _write(out: Path, record: dict) -> None:
     records = [r for r in records if (r["regime"], r["arm"]) != (record["regime"], record["arm"])]
     report.annotate([*records, record])
     report.append_record(out, record)
-    report.write_reports(out)
+    report.write_reports(out, draw_chart=False)  # the chart once, at the end
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -341,7 +357,9 @@ def worker(args: argparse.Namespace) -> int:
         if args.fresh:
             for name in (report.RESULTS, report.TABLE, report.CHART):
                 (args.out / name).unlink(missing_ok=True)
-        logger.info("arms %s; regimes %s; %d ranks on %s", [a.name for a in arms], plan, world, device)
+        logger.info(
+            "arms %s; regimes %s; %d ranks on %s", [a.name for a in arms], plan, world, device
+        )
     run_id = [datetime.datetime.now().strftime("%Y%m%d-%H%M%S-") + str(os.getpid())]
     dist.broadcast_object_list(run_id, src=0, group=ctrl)
     base = {
