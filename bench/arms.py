@@ -168,11 +168,13 @@ def build_ddp(ctx: ArmContext) -> Arm:
     return Arm(step=train_step(ddp, opt), keep=[ddp, root, opt])
 
 
-def _fczero(ctx: ArmContext, *, compiled: bool) -> Arm:
+def _fczero(ctx: ArmContext, *, compiled: bool, passes: bool = True) -> Arm:
     import fczero
 
     root = LossModule(build_model(ctx))
-    fczero.parallelize(root, ctx.mesh, param_dtype=BF16, reduce_dtype=torch.float32)
+    fczero.parallelize(
+        root, ctx.mesh, param_dtype=BF16, reduce_dtype=torch.float32, compile_passes=passes
+    )
     opt = adamw(root.parameters(), ctx)
     module = torch.compile(root, backend=ctx.compile_backend) if compiled else root
     return Arm(step=train_step(module, opt), keep=[root, module, opt])
@@ -184,6 +186,10 @@ def build_fczero_eager(ctx: ArmContext) -> Arm:
 
 def build_fczero_compiled(ctx: ArmContext) -> Arm:
     return _fczero(ctx, compiled=True)
+
+
+def build_fczero_compiled_no_passes(ctx: ArmContext) -> Arm:
+    return _fczero(ctx, compiled=True, passes=False)
 
 
 def deepspeed_config(batch: int, *, deepcompile: bool) -> dict[str, object]:
@@ -269,6 +275,11 @@ ARMS: dict[str, ArmSpec] = {
         ),
         ArmSpec(name="ddp", label="DDP (autocast)", build=build_ddp),
         ArmSpec(name="fczero-eager", label="fczero eager", build=build_fczero_eager),
+        ArmSpec(
+            name="fczero-nopasses",
+            label="fczero compiled, passes off",
+            build=build_fczero_compiled_no_passes,
+        ),
         ArmSpec(name="fczero-compiled", label="fczero compiled", build=build_fczero_compiled),
         ArmSpec(
             name="deepspeed-zero3",
@@ -289,7 +300,7 @@ GROUPS: dict[str, list[str]] = {
     "all": list(ARMS),
     "core": [name for name in ARMS if not name.startswith("deepspeed")],
     "deepspeed": [name for name in ARMS if name.startswith("deepspeed")],
-    "fczero": ["fczero-eager", "fczero-compiled"],
+    "fczero": ["fczero-eager", "fczero-nopasses", "fczero-compiled"],
     "fsdp2": ["fsdp2-eager", "fsdp2-compiled"],
 }
 """Names ``--arms`` accepts besides single arms."""

@@ -12,6 +12,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from fczero import resharding
+from fczero.passes import registry
+from fczero.passes.install import install
 from fczero.config import ShardingOptions
 from fczero.sharding import MANAGED_ATTR, ROOT_ATTR, ShardSpec, mesh_device, quiet_gather_checkpoint_note, shard_tensor, wire_module
 
@@ -28,6 +30,10 @@ def parallelize(
     reduce_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
     axis: str | int | None = None,
+    compile_passes: bool = True,
+    bucket_bytes: int = 256 * 2**20,
+    prefetch: int = 1,
+    memory_budget: int | None = None,
     **unknown: object,
 ) -> nn.Module:
     """Shard every parameter of ``model`` over ``mesh`` (ZeRO stage 3), in place.
@@ -47,8 +53,9 @@ def parallelize(
             the same initial values (as with DDP and FSDP2).
         mesh: a ``DeviceMesh``; with more than one axis, name the data-parallel one
             with ``axis``.
-        param_dtype, reduce_dtype, reshard_after_forward, axis: see
-            :class:`fczero.ShardingOptions` (one docstring per field).
+        param_dtype, reduce_dtype, reshard_after_forward, axis, compile_passes,
+        bucket_bytes, prefetch, memory_budget: see :class:`fczero.ShardingOptions`
+            (one docstring per field).
 
     Returns:
         ``model`` itself, parallelized.
@@ -62,6 +69,10 @@ def parallelize(
         reduce_dtype=reduce_dtype,
         reshard_after_forward=reshard_after_forward,
         axis=axis,
+        compile_passes=compile_passes,
+        bucket_bytes=bucket_bytes,
+        prefetch=prefetch,
+        memory_budget=memory_budget,
         **unknown,
     )
     dp_mesh = _data_parallel_mesh(mesh, options.axis)
@@ -79,6 +90,10 @@ def parallelize(
         wire_module(module, specs)
     _move_buffers(model, dp_mesh)
     quiet_gather_checkpoint_note()
+    if options.compile_passes:
+        _install_passes(dp_mesh, options)
+    else:
+        registry.unregister(dp_mesh.get_group().group_name)
 
     setattr(model, ROOT_ATTR, options)
     model.register_forward_pre_hook(_root_pre_forward, with_kwargs=True)
@@ -171,6 +186,20 @@ def _move_buffers(model: nn.Module, mesh: DeviceMesh) -> None:
         for name, buf in module._buffers.items():
             if buf is not None and buf.device.type != device:
                 module._buffers[name] = buf.to(mesh_device(mesh))
+
+
+def _install_passes(mesh: DeviceMesh, options: ShardingOptions) -> None:
+    budget = options.memory_budget
+    if budget is None and mesh.device_type != "cpu":
+        device = mesh_device(mesh)
+        budget = int(0.9 * torch.get_device_module(device).get_device_properties(device).total_memory)
+    registry.register(
+        mesh.get_group().group_name,
+        bucket_bytes=options.bucket_bytes,
+        prefetch=options.prefetch,
+        memory_budget=budget,
+    )
+    install()
 
 
 def _root_pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

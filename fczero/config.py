@@ -30,6 +30,22 @@ class ShardingOptions:
     """The data-parallel mesh axis (name or index) to shard over. Needed only when the
     mesh has more than one axis."""
 
+    compile_passes: bool = True
+    """Install fczero's graph passes (bucketing, prefetch, late waits) in Inductor.
+    They act only on graphs that ``torch.compile`` builds; eager mode is unaffected."""
+
+    bucket_bytes: int = 256 * 2**20
+    """Most bytes (unsharded side) one bucketed all-gather or reduce-scatter may carry.
+    Buckets follow model blocks (``layers.3``) and close at this size. 0: no bucketing."""
+
+    prefetch: int = 1
+    """How many buckets ahead a compiled graph may issue an all-gather. The memory
+    budget decides, bucket by bucket, whether it does. 0: no prefetch."""
+
+    memory_budget: int | None = None
+    """Bytes a compiled graph may hold at its peak (estimated from shapes) once
+    gathers are prefetched. None: 90% of the accelerator's memory, unlimited on CPU."""
+
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
@@ -50,6 +66,19 @@ class ShardingOptions:
                 "fczero: reshard_after_forward must be True (stage 3: free after forward) or "
                 f"False (keep for backward), got {self.reshard_after_forward!r}."
             )
+        for name in ("bucket_bytes", "prefetch", "memory_budget"):
+            value = getattr(self, name)
+            if value is None and name == "memory_budget":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(
+                    f"fczero: {name} must be an int (bytes or a count), got {value!r} "
+                    f"({type(value).__name__})."
+                )
+            if value < 0:
+                raise ValueError(f"fczero: {name}={value} is negative; use 0 or more.")
+        if not isinstance(self.compile_passes, bool):
+            raise TypeError(f"fczero: compile_passes must be True or False, got {self.compile_passes!r}.")
         if self.axis is not None and (
             isinstance(self.axis, bool) or not isinstance(self.axis, (str, int))
         ):

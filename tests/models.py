@@ -85,3 +85,22 @@ def token_batches(steps: int = 5, batch: int = 8, seq: int = 16, vocab: int = 64
         stride = torch.randint(1, 4, (batch, 1), generator=g)
         toks.append((start + stride * positions) % vocab)
     return [(t[:, :-1], t[:, 1:]) for t in toks]
+
+
+class ThreeBlocks(nn.Module):
+    """Three blocks in a ModuleList (each 1 MiB of fp32 weight: one bucket per block)."""
+
+    def __init__(self, dim: int = 512) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(3))
+        self.head = nn.Linear(dim, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x)
+
+
+def block_batches(steps: int = 4, batch: int = 8, dim: int = 512) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(batch, dim, generator=g), torch.randn(batch, 8, generator=g)) for _ in range(steps)]

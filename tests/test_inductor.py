@@ -1,4 +1,5 @@
-"""The real stock-Inductor path on CPU: collectives survive into generated code.
+"""The real stock-Inductor path on CPU: collectives, and fczero's schedule, survive
+into generated code.
 
 Slow on 2 cores (C++ compiles), so only a few tests take this path; the rest of the
 graph tests use ``aot_eager``, which hands the backend the same partitioned graphs.
@@ -6,15 +7,27 @@ graph tests use ``aot_eager``, which hands the backend the same partitioned grap
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from torch._inductor import config as inductor_config
 from torch._inductor.utils import run_and_get_code
 from torch.distributed.device_mesh import init_device_mesh
 
 import fczero
-from tests.models import TwoLayer
+from tests.models import ThreeBlocks, TwoLayer
 
 pytestmark = pytest.mark.slow
+
+
+def _calls(code: str, op: str) -> int:
+    """Calls of a functional collective in generated code (comments mention ops too)."""
+    return code.count(f"torch.ops._c10d_functional.{op}.default(")
+
+
+def _call_lines(code: str) -> list[str]:
+    return [line.strip() for line in code.splitlines() if not line.strip().startswith("#")]
 
 
 def test_inductor_code_gathers_in_forward_and_again_in_backward(fake_pg):
@@ -29,13 +42,28 @@ def test_inductor_code_gathers_in_forward_and_again_in_backward(fake_pg):
     _, codes = run_and_get_code(step)
     # the input cast compiles as its own small graph; then the forward, then the backward
     forward, backward = codes[-2:]
-    assert _calls(forward, "all_gather_into_tensor") == 3
-    assert _calls(forward, "wait_tensor") == 3
+    # the three params are one bucket (the model is far below 1 MiB)
+    assert _calls(forward, "all_gather_into_tensor") == 1
     assert _calls(backward, "all_gather_into_tensor") == 1  # fc2.weight, gathered again
-    assert _calls(backward, "reduce_scatter_tensor") == 3
+    assert _calls(backward, "reduce_scatter_tensor") == 1
     assert all(isinstance(p.grad, torch.Tensor) for p in model.parameters())
 
 
-def _calls(code: str, op: str) -> int:
-    """Calls of a functional collective in generated code (comments mention ops too)."""
-    return code.count(f"torch.ops._c10d_functional.{op}.default(")
+def test_inductor_keeps_the_prefetch_order(fake_pg):
+    user_pass_calls = []
+
+    def user_pass(graph):
+        user_pass_calls.append(len(graph.nodes))
+
+    with inductor_config.patch(post_grad_custom_post_pass=user_pass):
+        model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)))
+        compiled = torch.compile(model, fullgraph=True)
+        _, codes = run_and_get_code(lambda: compiled(torch.randn(4, 512)).sum().backward())
+    assert len(user_pass_calls) == 2  # the user's pass still ran, on forward and backward
+    forward = _call_lines(codes[-2])
+    gathers = [i for i, line in enumerate(forward) if "all_gather_into_tensor.default(" in line]
+    matmuls = [i for i, line in enumerate(forward) if re.search(r"extern_kernels\.(addmm|mm)\(", line)]
+    assert len(gathers) == 4 and len(matmuls) == 4  # a bucket per block, and the head
+    # the gather for the next block is issued before the matmul of the block before it
+    for gather, matmul in zip(gathers[1:], matmuls[:-1]):
+        assert gather < matmul, "\n".join(forward)

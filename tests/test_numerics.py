@@ -15,7 +15,7 @@ import torch
 
 from fczero.testing import parity
 from fczero.testing.distributed import run_on_ranks
-from tests.models import GraphBreakMLP, UnevenTiedMLP, mlp_batches, tiny_llama, token_batches
+from tests.models import GraphBreakMLP, ThreeBlocks, UnevenTiedMLP, block_batches, mlp_batches, tiny_llama, token_batches
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
@@ -23,7 +23,7 @@ BF16 = {"rtol": 2e-2, "atol": 2e-2}
 
 @dataclass(frozen=True)
 class Case:
-    model: str  # "mlp", "llama" or "breaks" (graph breaks in forward)
+    model: str  # "mlp", "llama", "blocks" or "breaks" (graph breaks in forward)
     optimizer: str = "sgd"
     backend: str | None = None  # None: eager; else a torch.compile backend
     options: tuple[tuple[str, object], ...] = ()
@@ -38,6 +38,8 @@ class Case:
             return UnevenTiedMLP, mlp_batches(), parity.mse
         if self.model == "breaks":
             return GraphBreakMLP, mlp_batches(), parity.mse
+        if self.model == "blocks":
+            return ThreeBlocks, block_batches(), parity.mse
         return tiny_llama, token_batches(), parity.cross_entropy
 
     @property
@@ -58,12 +60,20 @@ CASES = {
         Case("mlp", backend="aot_eager", options=(("reshard_after_forward", False),)),
         Case("llama", options=(("param_dtype", torch.bfloat16), ("reduce_dtype", torch.float32))),
         Case("breaks", backend="aot_eager"),
+        # fczero's passes (bucketing, late waits, prefetch) on AOT's graphs, run eagerly
+        Case("mlp", backend="aot_eager_with_passes"),
+        Case("llama", "adamw", backend="aot_eager_with_passes"),
+        Case("blocks", backend="aot_eager_with_passes"),
+        Case("llama", backend="aot_eager_with_passes",
+             options=(("param_dtype", torch.bfloat16), ("reduce_dtype", torch.float32))),
     ],
     4: [
         Case("mlp"),
         Case("llama", "adamw"),
         Case("mlp", backend="aot_eager"),
         Case("llama", backend="aot_eager"),
+        Case("mlp", backend="aot_eager_with_passes"),
+        Case("blocks", backend="aot_eager_with_passes"),
     ],
 }
 

@@ -72,12 +72,14 @@ def train_reference(
     optimizer: str = "sgd",
     lr: float = 0.05,
     seed: int = 0,
+    device: str = "cpu",
 ) -> Trace:
     """Single-process training on whole batches."""
     torch.manual_seed(seed)
-    model = build()
+    model = build().to(device)
+    batches = [(x.to(device), y.to(device)) for x, y in batches]
     losses = _train(model, model, batches, criterion, optimizer, lr, lambda t: t)
-    return Trace(losses, {n: p.detach().clone() for n, p in model.named_parameters()})
+    return Trace(losses, {n: p.detach().cpu().clone() for n, p in model.named_parameters()})
 
 
 def train_parallel(
@@ -104,7 +106,9 @@ def train_parallel(
     fczero.parallelize(model, mesh, **options)
     step_fn: Callable[[torch.Tensor], torch.Tensor] = model
     if compile_backend is not None:
-        step_fn = torch.compile(model, backend=compile_backend)
+        from fczero.testing.backends import BACKENDS
+
+        step_fn = torch.compile(model, backend=BACKENDS.get(compile_backend, compile_backend))
     device = next(model.parameters()).device
     local = [_slice(b, rank, world_size, device) for b in batches]
 

@@ -1,0 +1,89 @@
+"""The memory model the passes consult: bytes alive at each node of an FX graph.
+
+Pure functions over a graph whose nodes carry ``meta["val"]`` (fake tensors), as
+AOT autograd's and Inductor's graphs do. A node's output is alive from the node
+until the last use of it or of any view of it; views (and ``wait_tensor``, which
+returns its input) own no bytes of their own. Graph inputs are alive throughout.
+This is an estimate from shapes: it ignores the allocator's rounding and caching,
+and memory outside the graph (optimizer state, other graphs' activations).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+# Ops whose output aliases their first argument's storage.
+_ALIASING = {
+    "view", "_unsafe_view", "t", "transpose", "permute", "slice", "select", "expand",
+    "as_strided", "alias", "unsqueeze", "squeeze", "detach", "split", "unbind",
+    "wait_tensor", "reshape", "view_as", "split_with_sizes",
+}
+
+
+def op_name(node: fx.Node) -> str:
+    """``aten.view.default`` -> ``view``; ``_c10d_functional.wait_tensor.default`` -> ``wait_tensor``."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[-1]
+    return getattr(target, "__name__", str(target))
+
+
+def nbytes(node: fx.Node) -> int:
+    """Bytes of the tensor(s) a node produces, from its fake value."""
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    total = 0
+    for v in vals:
+        if isinstance(v, torch.Tensor) and all(isinstance(s, int) for s in v.shape):
+            total += v.numel() * v.element_size()
+    return total
+
+
+def storage_root(node: fx.Node) -> fx.Node:
+    """The node that allocated the storage ``node``'s output lives in."""
+    while (
+        node.op == "call_function"
+        and op_name(node) in _ALIASING
+        and node.args
+        and isinstance(node.args[0], fx.Node)
+    ):
+        node = node.args[0]
+    return node
+
+
+def live_bytes(graph: fx.Graph) -> list[int]:
+    """Bytes alive while each node runs (its inputs and its output), in graph order."""
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    end = len(nodes) - 1
+    last_use: dict[fx.Node, int] = {}
+    for n in nodes:
+        root = storage_root(n)
+        if root is not n:
+            last_use[root] = max(last_use.get(root, index[root]), index[n])
+        for user in n.users:
+            last_use[root] = max(last_use.get(root, index[root]), index[user])
+    delta = [0] * (len(nodes) + 1)
+    for n in nodes:
+        if storage_root(n) is not n:
+            continue
+        size = nbytes(n)
+        if not size:
+            continue
+        start = 0 if n.op == "placeholder" else index[n]
+        stop = end if n.op == "placeholder" else last_use.get(n, index[n])
+        delta[start] += size
+        delta[stop + 1] -= size
+    out, running = [], 0
+    for i in range(len(nodes)):
+        running += delta[i]
+        out.append(running)
+    return out
+
+
+def peak_bytes(graph: fx.Graph) -> int:
+    """The largest number of bytes alive at any node."""
+    return max(live_bytes(graph), default=0)

@@ -1,0 +1,38 @@
+"""fczero's graph passes, in the order they run on each post-grad graph.
+
+| pass                          | module       | what it does                                  |
+| ----------------------------- | ------------ | --------------------------------------------- |
+| bucket_all_gathers_pass       | bucketing.py | one all-gather per block                      |
+| bucket_reduce_scatters_pass   | bucketing.py | one reduce-scatter per block                  |
+| sink_waits_pass               | schedule.py  | waits just before first use                   |
+| prefetch_all_gathers_pass     | schedule.py  | gathers issued a block ahead, under a budget  |
+
+``install.py`` hands ``run_passes`` to Inductor (``post_grad_custom_post_pass``),
+after any pass the user had set there. A graph without collectives on a process
+group that ``parallelize`` registered is returned untouched.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from fczero.passes.bucketing import bucket_all_gathers_pass, bucket_reduce_scatters_pass
+from fczero.passes.registry import PassSettings, settings_for_graph
+from fczero.passes.schedule import prefetch_all_gathers_pass, sink_waits_pass
+
+__all__ = ["PassSettings", "run_passes"]
+
+
+def run_passes(gm: fx.GraphModule, settings: PassSettings | None = None) -> fx.GraphModule:
+    """Apply every fczero pass to ``gm`` (a post-grad forward or backward graph)."""
+    if settings is None:
+        settings = settings_for_graph(gm.graph)
+        if settings is None:
+            return gm
+    groups = settings.groups
+    if settings.bucket_bytes > 0:
+        gm = bucket_all_gathers_pass(gm, groups, settings.bucket_bytes)
+        gm = bucket_reduce_scatters_pass(gm, groups, settings.bucket_bytes)
+    gm = sink_waits_pass(gm, groups)
+    gm = prefetch_all_gathers_pass(gm, groups, settings.prefetch, settings.memory_budget)
+    return gm

@@ -1,0 +1,153 @@
+"""Bucketing: one collective per bucket of params instead of one per param.
+
+Gathers of one block (and the same group and dtype) become one all-gather of the
+concatenated shards; each param is then copied out of its column of the result:
+
+    before                                   after
+    ag1 = all_gather(x1); w1 = wait(ag1)     flat = cat([x1.view(-1), x2.view(-1)])
+    ag2 = all_gather(x2); w2 = wait(ag2)     ag = all_gather(flat); w = wait(ag)
+                                             m = w.view(world, n1 + n2)
+                                             w1 = m[:, :n1].clone().view(shape1)
+                                             w2 = m[:, n1:].clone().view(shape2)
+
+Reduces of one block become one reduce-scatter of the rank-major concatenation
+``cat([g1.view(world, -1), g2.view(world, -1)], dim=1)``, split again after the wait.
+Buckets are formed in program order, per block (``matching.block_key``), closed at
+``bucket_bytes``; blocks smaller than ``_MIN_BUCKET`` join the next one. All of it
+reads shapes and module paths only, so every rank forms the same buckets.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+
+from fczero.passes.graph_utils import (
+    aten,
+    c10d,
+    fake_mode_of,
+    insert,
+    move_before,
+    position,
+    stable_topological_sort,
+)
+from fczero.passes.matching import Collective, find_gathers, find_reduces
+
+logger = logging.getLogger("fczero")
+
+_MIN_BUCKET = 1 << 20  # 1 MiB: a lone norm weight is not worth its own collective
+
+
+def plan_buckets(collectives: list[Collective], bucket_bytes: int) -> list[list[Collective]]:
+    """Group collectives (in program order) into buckets; see the module docstring."""
+    buckets: list[list[Collective]] = []
+    current: list[Collective] = []
+    size = 0
+    for c in collectives:
+        if current:
+            head = current[0]
+            same_kind = (c.group_name, c.dtype) == (head.group_name, head.dtype)
+            new_block = c.block != current[-1].block and size >= _MIN_BUCKET
+            if not same_kind or new_block or size + c.bytes > bucket_bytes:
+                buckets.append(current)
+                current, size = [], 0
+        current.append(c)
+        size += c.bytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def bucket_all_gathers_pass(gm: fx.GraphModule, groups: set[str], bucket_bytes: int) -> fx.GraphModule:
+    graph = gm.graph
+    gathers = find_gathers(graph, groups)
+    buckets = [b for b in plan_buckets(gathers, bucket_bytes) if len(b) > 1]
+    if not buckets:
+        return gm
+    fake_mode = fake_mode_of(graph)
+    for bucket in buckets:
+        _merge_gathers(graph, fake_mode, bucket)
+    stable_topological_sort(graph)
+    graph.lint()
+    gm.recompile()
+    logger.info("bucket_all_gathers_pass: %d all-gathers -> %d buckets", sum(map(len, buckets)), len(buckets))
+    return gm
+
+
+def _merge_gathers(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None:
+    first = bucket[0].node
+    # every shard comes from graph inputs alone, so its prep can move up to the first gather
+    pos = position(graph)
+    for c in bucket:
+        move_before([n for n in c.prep if pos[n] > pos[first]], first)
+    world, group = bucket[0].group_size, bucket[0].group_name
+    with graph.inserting_before(first):
+        flats = [insert(graph, fake_mode, aten.view.default, (_contiguous(graph, fake_mode, c.input), [-1]), like=c.node)
+                 for c in bucket]
+        sizes = [f.meta["val"].numel() for f in flats]
+        flat = insert(graph, fake_mode, aten.cat.default, (flats, 0), like=first)
+        ag = insert(graph, fake_mode, c10d.all_gather_into_tensor.default, (flat, world, group), like=first)
+        wait = insert(graph, fake_mode, c10d.wait_tensor.default, (ag,), like=first)
+        table = insert(graph, fake_mode, aten.view.default, (wait, [world, sum(sizes)]), like=first)
+        offset = 0
+        for c, n in zip(bucket, sizes):
+            column = insert(graph, fake_mode, aten.slice.Tensor, (table, 1, offset, offset + n), like=c.node)
+            dense = insert(graph, fake_mode, aten.clone.default, (column,),
+                           {"memory_format": torch.contiguous_format}, like=c.node)
+            out = insert(graph, fake_mode, aten.view.default, (dense, list(c.wait.meta["val"].shape)), like=c.node)
+            c.wait.replace_all_uses_with(out)
+            offset += n
+    for c in bucket:
+        graph.erase_node(c.wait)
+        graph.erase_node(c.node)
+
+
+def bucket_reduce_scatters_pass(gm: fx.GraphModule, groups: set[str], bucket_bytes: int) -> fx.GraphModule:
+    graph = gm.graph
+    reduces = find_reduces(graph, groups)
+    buckets = [b for b in plan_buckets(reduces, bucket_bytes) if len(b) > 1]
+    if not buckets:
+        return gm
+    fake_mode = fake_mode_of(graph)
+    for bucket in buckets:
+        _merge_reduces(graph, fake_mode, bucket)
+    stable_topological_sort(graph)  # users of early members now follow the merged wait
+    graph.lint()
+    gm.recompile()
+    logger.info("bucket_reduce_scatters_pass: %d reduce-scatters -> %d buckets", sum(map(len, buckets)), len(buckets))
+    return gm
+
+
+def _merge_reduces(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None:
+    pos = position(graph)
+    last = max(bucket, key=lambda c: pos[c.node]).node  # every grad is ready here
+    world, group = bucket[0].group_size, bucket[0].group_name
+    with graph.inserting_before(last):
+        rows = []
+        for c in bucket:
+            g = _contiguous(graph, fake_mode, c.input)
+            rows.append(insert(graph, fake_mode, aten.view.default, (g, [world, -1]), like=c.node))
+        sizes = [r.meta["val"].shape[1] for r in rows]
+        table = insert(graph, fake_mode, aten.cat.default, (rows, 1), like=last)
+        flat = insert(graph, fake_mode, aten.view.default, (table, [-1]), like=last)
+        rs = insert(graph, fake_mode, c10d.reduce_scatter_tensor.default, (flat, "sum", world, group), like=last)
+        wait = insert(graph, fake_mode, c10d.wait_tensor.default, (rs,), like=last)
+        offset = 0
+        for c, n in zip(bucket, sizes):
+            piece = insert(graph, fake_mode, aten.slice.Tensor, (wait, 0, offset, offset + n), like=c.node)
+            out = insert(graph, fake_mode, aten.view.default, (piece, list(c.wait.meta["val"].shape)), like=c.node)
+            c.wait.replace_all_uses_with(out)
+            offset += n
+    for c in bucket:
+        graph.erase_node(c.wait)
+        graph.erase_node(c.node)
+
+
+def _contiguous(graph: fx.Graph, fake_mode, x: fx.Node) -> fx.Node:
+    val = x.meta["val"]
+    if val.is_contiguous():
+        return x
+    return insert(graph, fake_mode, aten.clone.default, (x,), {"memory_format": torch.contiguous_format}, like=x)
+

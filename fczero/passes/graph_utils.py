@@ -1,0 +1,83 @@
+"""Small FX helpers the passes share: insert a node with a fake value, move nodes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def fake_mode_of(graph: fx.Graph):
+    vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
+    return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+
+
+def _meta(arg: Any) -> Any:
+    return fx.node.map_arg(arg, lambda n: n.meta["val"])
+
+
+def insert(graph: fx.Graph, fake_mode, target, args: tuple, kwargs: dict | None = None,
+           like: fx.Node | None = None) -> fx.Node:
+    """Create ``target(*args)`` at the graph's current insertion point, with ``meta["val"]``.
+
+    ``like`` lends its source metadata (stack trace, module stack) so that later
+    passes and readers can tell where the node came from.
+    """
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+    with fake_mode:
+        node.meta["val"] = target(*_meta(args), **_meta(kwargs))
+    if like is not None:
+        for key in ("nn_module_stack", "stack_trace", "fwd_nn_module_stack"):
+            if key in like.meta:
+                node.meta[key] = like.meta[key]
+    return node
+
+
+def move_before(nodes: Iterable[fx.Node], anchor: fx.Node) -> None:
+    """Move ``nodes`` (kept in their given order) to just before ``anchor``."""
+    for n in nodes:
+        if n is not anchor:
+            anchor.prepend(n)
+
+
+def position(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def stable_topological_sort(graph: fx.Graph) -> None:
+    """Reorder nodes so every node follows its inputs, moving as few as possible: a node
+    whose inputs are not all placed yet waits until they are, then takes its place."""
+    placed: set[fx.Node] = set()
+    waiting: dict[fx.Node, list[fx.Node]] = {}  # missing input -> nodes blocked on it
+    order: list[fx.Node] = []
+
+    def place(node: fx.Node) -> None:
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            placed.add(n)
+            for blocked in waiting.pop(n, []):
+                if all(a in placed for a in blocked.all_input_nodes):
+                    stack.append(blocked)
+
+    for node in list(graph.nodes):
+        missing = [a for a in node.all_input_nodes if a not in placed]
+        if missing:
+            waiting.setdefault(missing[0], []).append(node)
+        else:
+            place(node)
+    if len(order) != len(graph.nodes):
+        raise RuntimeError("fczero: the graph has a cycle after a rewrite; please report this")
+    anchor = next(iter(graph.nodes))
+    for n in order:
+        if n is not anchor:
+            anchor.append(n)
+            anchor = n

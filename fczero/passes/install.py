@@ -1,0 +1,73 @@
+"""Hand fczero's passes to stock Inductor through its documented hook.
+
+``torch._inductor.config.post_grad_custom_post_pass`` takes one pass on torch 2.11
+and a pass or a list on 2.13. ``install`` wraps whatever the user had set and
+fczero's passes into one ``CustomGraphPass`` that runs the user's pass first, then
+fczero's; its ``uuid`` covers both (and fczero's settings), so Inductor's FX graph
+cache stays on when the user's pass has a uuid too.
+
+It also turns off ``torch._inductor.config.reorder_for_peak_memory``: that scheduler
+pass moves every all-gather down to just before its wait (the order with the least
+memory), which undoes prefetching. fczero's own schedule keeps memory within its
+budget instead. Set it back after ``parallelize`` to trade overlap for memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch.fx as fx
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from fczero.passes import registry, run_passes
+
+logger = logging.getLogger("fczero")
+
+
+def _as_list(passes) -> list:
+    if passes is None:
+        return []
+    return list(passes) if isinstance(passes, (list, tuple)) else [passes]
+
+
+class FczeroPostGradPass(CustomGraphPass):
+    """The user's earlier post-grad passes, then fczero's (see ``fczero.passes``)."""
+
+    def __init__(self, before: list) -> None:
+        self.before = before
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for user_pass in self.before:
+            user_pass(graph)
+        run_passes(graph.owning_module)
+
+    def uuid(self) -> bytes | None:
+        parts = []
+        for user_pass in self.before:
+            uuid = user_pass.uuid() if isinstance(user_pass, CustomGraphPass) else None
+            if uuid is None:
+                return None  # the user's pass cannot be cached: neither can the chain
+            parts.append(repr(uuid))
+        files = tuple(sorted(str(p) for p in Path(__file__).parent.glob("*.py")))
+        files += (str(Path(__file__).parent.parent / "memory.py"),)
+        extra = "|".join(parts) + repr(registry.snapshot())
+        return hashlib.sha256(get_hash_for_files(files) + extra.encode()).digest()
+
+
+def install() -> None:
+    """Put fczero's passes into Inductor's post-grad hook once, keeping the user's passes."""
+    current = inductor_config.post_grad_custom_post_pass
+    if isinstance(current, FczeroPostGradPass):
+        return
+    inductor_config.post_grad_custom_post_pass = FczeroPostGradPass(_as_list(current))
+    inductor_config.reorder_for_peak_memory = False
+    logger.info(
+        "installed fczero's passes in torch._inductor.config.post_grad_custom_post_pass "
+        "and set reorder_for_peak_memory=False (it would undo prefetching)"
+    )
+
+
+__all__ = ["FczeroPostGradPass", "install"]

@@ -1,0 +1,50 @@
+"""Which process groups are fczero's, and the pass settings that ``parallelize`` chose.
+
+Inductor calls a custom pass with nothing but the graph, so ``parallelize`` records
+here, per data-parallel process group, how to bucket and prefetch. A graph whose
+collectives use none of these groups is none of fczero's business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from fczero.memory import op_name
+
+
+@dataclass(frozen=True)
+class PassSettings:
+    groups: frozenset[str]
+    bucket_bytes: int
+    prefetch: int
+    memory_budget: int | None
+
+
+_BY_GROUP: dict[str, PassSettings] = {}
+
+
+def register(group_name: str, *, bucket_bytes: int, prefetch: int, memory_budget: int | None) -> None:
+    """Record the settings for one group (a later ``parallelize`` on the same group wins)."""
+    _BY_GROUP[group_name] = PassSettings(frozenset({group_name}), bucket_bytes, prefetch, memory_budget)
+
+
+def unregister(group_name: str) -> None:
+    """Leave this group's graphs to Inductor alone (``compile_passes=False``)."""
+    _BY_GROUP.pop(group_name, None)
+
+
+def snapshot() -> tuple:
+    """Everything that can change what the passes do: part of the Inductor cache key."""
+    return tuple(sorted((k, repr(v)) for k, v in _BY_GROUP.items()))
+
+
+def settings_for_graph(graph: fx.Graph) -> PassSettings | None:
+    """The settings of the (first) registered group the graph communicates on, if any."""
+    for node in graph.nodes:
+        if node.op == "call_function" and op_name(node) in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+            name = node.args[-1] if op_name(node) == "all_gather_into_tensor" else node.args[3]
+            if name in _BY_GROUP:
+                return _BY_GROUP[name]
+    return None

@@ -1,0 +1,129 @@
+"""Scheduling: issue gathers early (prefetch), wait for collectives late.
+
+After bucketing, a gather bucket is an *issue group* (the casts and concatenation of
+its shards, then the all-gather) and a *copy-out group* (the wait, then the views
+and copies that hand each param to its users). Two rewrites, in this order:
+
+``sink_waits_pass`` moves each copy-out group down to just before the first node
+that uses a param, and each reduce-scatter's wait down to just before the next
+reduce-scatter is issued (so at most two buckets of full-size gradients are alive),
+or before the first user of its result:
+
+    ag = all_gather(x); w = wait(ag); mm(a, w)      ->   ag = all_gather(x); ...; w = wait(ag); mm(a, w)
+
+``prefetch_all_gathers_pass`` moves the issue group of bucket i up to just before
+the first compute of bucket i-1 (up to ``prefetch`` buckets ahead), if the memory
+model says the graph stays within ``memory_budget`` with the gathered bucket alive
+that much longer; otherwise the bucket is gathered where it is used:
+
+    w0 = wait(ag0); mm(a, w0); ag1 = all_gather(x1); w1 = wait(ag1); mm(b, w1)
+ -> w0 = wait(ag0); ag1 = all_gather(x1); mm(a, w0); w1 = wait(ag1); mm(b, w1)
+
+Each decision reads shapes and graph order only, so it is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.fx as fx
+
+from fczero.memory import live_bytes, nbytes, op_name
+from fczero.passes.graph_utils import move_before, position
+from fczero.passes.matching import find_gathers, find_reduces
+
+logger = logging.getLogger("fczero")
+
+_COPY_OUT = {"view", "slice", "clone", "_unsafe_view", "alias"}
+_REDUCE_TAIL = _COPY_OUT | {"div", "_to_copy", "convert_element_type"}
+
+
+def _tail(wait: fx.Node, ops: set[str]) -> list[fx.Node]:
+    """``wait`` and the nodes downstream of it that only re-view, copy or scale its result."""
+    tail, frontier = [wait], [wait]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user.op == "call_function" and op_name(user) in ops and user not in tail:
+                inputs = [a for a in user.all_input_nodes]
+                if all(a in tail for a in inputs):
+                    tail.append(user)
+                    frontier.append(user)
+    pos = position(wait.graph)
+    return sorted(tail, key=pos.__getitem__)
+
+
+def _first_outside_user(tail: list[fx.Node]) -> fx.Node:
+    members = set(tail)
+    pos = position(tail[0].graph)
+    users = [u for n in tail for u in n.users if u not in members]
+    return min(users, key=pos.__getitem__)
+
+
+def sink_waits_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphModule:
+    graph = gm.graph
+    moved = 0
+    for gather in find_gathers(graph, groups):
+        tail = _tail(gather.wait, _COPY_OUT)
+        move_before(tail, _first_outside_user(tail))
+        moved += 1
+    reduces = find_reduces(graph, groups)
+    for current, following in zip(reduces, reduces[1:] + [None]):
+        tail = _tail(current.wait, _REDUCE_TAIL)
+        anchor = _first_outside_user(tail)
+        if following is not None:
+            pos = position(graph)
+            if pos[following.node] < pos[anchor]:
+                anchor = _issue_group(following)[0]
+        move_before(tail, anchor)
+        moved += 1
+    graph.lint()
+    gm.recompile()
+    logger.info("sink_waits_pass: %d waits placed just before their first use", moved)
+    return gm
+
+
+def _issue_group(c) -> list[fx.Node]:
+    """For a gather: its prep and the all-gather; for a reduce: the reduce alone."""
+    return [*c.prep, c.node]
+
+
+def prefetch_all_gathers_pass(
+    gm: fx.GraphModule, groups: set[str], prefetch: int, memory_budget: int | None
+) -> fx.GraphModule:
+    graph = gm.graph
+    gathers = find_gathers(graph, groups)
+    if prefetch <= 0 or len(gathers) < 2:
+        return gm
+    # where each bucket's compute starts: the first user of its copy-out group
+    starts = [_first_outside_user(_tail(g.wait, _COPY_OUT)) for g in gathers]
+    hoisted = refused = 0
+    for i in range(1, len(gathers)):
+        group = _issue_group(gathers[i])
+        added = nbytes(gathers[i].node) + nbytes(gathers[i].input)
+        for depth in range(min(prefetch, i), 0, -1):
+            anchor = starts[i - depth]
+            pos = position(graph)
+            if pos[anchor] >= pos[group[0]]:
+                break  # already issued at least that early
+            live = live_bytes(graph)
+            peak = max(live[pos[anchor] : pos[gathers[i].node] + 1])
+            if memory_budget is None or peak + added <= memory_budget:
+                move_before([n for n in group if pos[n] > pos[anchor]], anchor)
+                hoisted += 1
+                break
+        else:
+            refused += 1
+    if hoisted == 0 and refused:
+        logger.warning(
+            "fczero: memory_budget=%s bytes is too small to prefetch any all-gather; "
+            "gathering each bucket where it is used",
+            memory_budget,
+        )
+    graph.lint()
+    gm.recompile()
+    logger.info(
+        "prefetch_all_gathers_pass: %d of %d all-gathers issued ahead (%d refused by the budget)",
+        hoisted, len(gathers), refused,
+    )
+    return gm

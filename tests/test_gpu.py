@@ -1,0 +1,60 @@
+"""The parity tests under NCCL on two CUDA GPUs (skipped without them).
+
+The reference trains on ``cuda:0`` in this process. fp32 tolerance here is rtol 1e-4 /
+atol 1e-5: cuBLAS picks its kernels by shape, and each rank multiplies half the
+reference's batch, so sums are ordered differently than on the CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fczero.testing import parity
+from fczero.testing.distributed import run_on_ranks
+from tests.test_numerics import BF16, Case
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+]
+
+GPU_FP32 = {"rtol": 1e-4, "atol": 1e-5}
+
+CASES = [
+    Case("mlp"),
+    Case("llama", "adamw"),
+    Case("mlp", backend="inductor"),
+    Case("llama", backend="inductor"),
+    Case("llama", backend="inductor", options=(("param_dtype", torch.bfloat16), ("reduce_dtype", torch.float32))),
+]
+
+
+def _run_cases(rank: int, world_size: int, cases: list[Case]) -> list[parity.Trace]:
+    traces = []
+    for case in cases:
+        build, batches, criterion = case.setup()
+        torch._dynamo.reset()
+        traces.append(
+            parity.train_parallel(
+                rank, world_size, build, batches, criterion, optimizer=case.optimizer, lr=case.lr,
+                compile_backend=case.backend, device_type="cuda", **dict(case.options),
+            )
+        )
+    return traces
+
+
+@pytest.fixture(scope="module")
+def nccl_traces() -> dict[str, parity.Trace]:
+    per_rank = run_on_ranks(_run_cases, 2, CASES, backend="nccl")
+    return {c.id: t for c, t in zip(CASES, per_rank[0])}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_nccl_matches_reference(nccl_traces, case):
+    build, batches, criterion = case.setup()
+    expected = parity.train_reference(
+        build, batches, criterion, optimizer=case.optimizer, lr=case.lr, device="cuda"
+    )
+    tol = BF16 if dict(case.options).get("param_dtype") == torch.bfloat16 else GPU_FP32
+    parity.assert_close(nccl_traces[case.id], expected, **tol)
