@@ -219,6 +219,8 @@ def _cast_floating(dtype: torch.dtype, t: torch.Tensor) -> torch.Tensor:
 
 
 def _exit_reshard_scope(module: nn.Module, args: object, output: object) -> None:
+    if torch.compiler.is_compiling():
+        return  # no scope was opened; Dynamo on torch 2.11 cannot trace __dict__.pop
     scope = module.__dict__.pop("_fczero_scope", None)
     if scope is not None:
         scope.__exit__(None, None, None)

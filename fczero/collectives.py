@@ -4,8 +4,12 @@ A sharded param becomes an unsharded param through one differentiable step,
 ``gather_shard``, whose backward is the reduce:
 
     forward:  shard -> cast(param_dtype) -> all_gather_into_tensor -> wait
-    backward: grad  -> cast(reduce_dtype) -> reduce_scatter_tensor(sum) -> wait
-              -> divide by the group size (data parallelism averages) -> cast(shard dtype)
+    backward: grad  -> cast(reduce_dtype) -> divide by the group size -> reduce_scatter_tensor(sum)
+              -> wait -> cast(shard dtype)
+
+Data parallelism averages gradients over ranks. Dividing before the sum lets the
+compiler fuse the division into the cast and bucket copy that precede the
+reduce-scatter, so the reduced shards come out as plain views (no kernel per param).
 
 Both directions call ``torch.ops._c10d_functional`` ops, so eager mode returns an
 ``AsyncCollectiveTensor`` that waits on first use, and a traced graph holds explicit
@@ -73,9 +77,9 @@ class _GatherShard(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         group_size, group_name, reduce_dtype, shard_dtype = ctx.meta
-        grad = _to(grad, _reduce_dtype_of(grad, reduce_dtype))
+        grad = _to(grad, _reduce_dtype_of(grad, reduce_dtype)) / group_size
         reduced = reduce_scatter_sum(grad, group_size, group_name)
-        return _to(reduced / group_size, shard_dtype), None, None, None, None
+        return _to(reduced, shard_dtype), None, None, None, None
 
 
 class _ReplicateScalar(torch.autograd.Function):
@@ -89,9 +93,9 @@ class _ReplicateScalar(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         group_size, group_name, reduce_dtype, local_dtype = ctx.meta
-        grad = _to(grad, _reduce_dtype_of(grad, reduce_dtype))
+        grad = _to(grad, _reduce_dtype_of(grad, reduce_dtype)) / group_size
         reduced = all_reduce_sum(grad, group_name)
-        return _to(reduced / group_size, local_dtype), None, None, None, None
+        return _to(reduced, local_dtype), None, None, None, None
 
 
 def gather_shard(
