@@ -12,9 +12,10 @@ concatenated shards; each param is then copied out of its column of the result:
 
 Reduces of one block become one reduce-scatter of the rank-major concatenation
 ``cat([g1.view(world, -1), g2.view(world, -1)], dim=1)``, split again after the wait.
-Buckets are formed in program order, per block (``matching.block_key``), closed at
-``bucket_bytes``; blocks smaller than ``_MIN_BUCKET`` join the next one. All of it
-reads shapes and module paths only, so every rank forms the same buckets.
+Buckets are formed in program order from whole blocks (``matching.block_key``),
+packed while they fit in ``bucket_bytes``; a bucket under ``_MIN_BUCKET`` always takes
+the next block. All of it reads shapes and module paths only, so every rank forms
+the same buckets.
 """
 
 from __future__ import annotations
@@ -41,23 +42,44 @@ _MIN_BUCKET = 1 << 20  # 1 MiB: a lone norm weight is not worth its own collecti
 
 
 def plan_buckets(collectives: list[Collective], bucket_bytes: int) -> list[list[Collective]]:
-    """Group collectives (in program order) into buckets; see the module docstring."""
-    buckets: list[list[Collective]] = []
-    current: list[Collective] = []
-    size = 0
+    """Group collectives (in program order) into buckets of whole blocks.
+
+    A block's collectives stay together (split only if the block alone exceeds
+    ``bucket_bytes``); consecutive blocks share a bucket while the total fits in
+    ``bucket_bytes``. Fewer, larger collectives cost less CPU time to launch; larger
+    buckets keep more gathered bytes alive. Group and dtype never mix.
+    """
+    blocks: list[list[Collective]] = []
     for c in collectives:
-        if current:
-            head = current[0]
-            same_kind = (c.group_name, c.dtype) == (head.group_name, head.dtype)
-            new_block = c.block != current[-1].block and size >= _MIN_BUCKET
-            if not same_kind or new_block or size + c.bytes > bucket_bytes:
-                buckets.append(current)
-                current, size = [], 0
-        current.append(c)
-        size += c.bytes
-    if current:
-        buckets.append(current)
+        last = blocks[-1][-1] if blocks else None
+        if last is not None and c.block == last.block and _same_kind(c, last):
+            blocks[-1].append(c)
+        else:
+            blocks.append([c])
+    buckets: list[list[Collective]] = []
+    size = 0
+    for block in blocks:
+        block_size = sum(c.bytes for c in block)
+        fits = bool(buckets) and _same_kind(block[0], buckets[-1][0]) and (
+            size + block_size <= bucket_bytes or size < _MIN_BUCKET
+        )
+        if fits:
+            buckets[-1].extend(block)
+            size += block_size
+            continue
+        buckets.append([])
+        size = 0
+        for c in block:  # a block larger than the cap is split at the cap
+            if buckets[-1] and size + c.bytes > bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(c)
+            size += c.bytes
     return buckets
+
+
+def _same_kind(a: Collective, b: Collective) -> bool:
+    return (a.group_name, a.dtype) == (b.group_name, b.dtype)
 
 
 def bucket_all_gathers_pass(gm: fx.GraphModule, groups: set[str], bucket_bytes: int) -> fx.GraphModule:
