@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fczero
@@ -67,31 +67,50 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m fczero.train",
         description="Train a small Llama on fczero's shipped corpus with ZeRO-3 sharding.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     run = p.add_argument_group("run")
-    run.add_argument("--steps", type=int, default=150, help="optimizer steps")
-    run.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
-    run.add_argument("--seq-len", type=int, default=64, help="tokens (bytes) per sequence")
-    run.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
-    run.add_argument("--seed", type=int, default=0, help="model seed; rank r samples data with seed+r")
+    run.add_argument("--steps", type=int, default=150, help="optimizer steps (%(default)s)")
+    run.add_argument(
+        "--batch-size", type=int, default=8, help="sequences per rank per step (%(default)s)"
+    )
+    run.add_argument(
+        "--seq-len", type=int, default=64, help="tokens (bytes) per sequence (%(default)s)"
+    )
+    run.add_argument(
+        "--lr", type=float, default=3e-3, help="peak AdamW learning rate (%(default)s)"
+    )
+    run.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="model seed; rank r samples data with seed + r (%(default)s)",
+    )
     run.add_argument(
         "--nproc",
         type=int,
-        default=2,
-        help="local processes to launch when not already under torchrun (ignored under torchrun)",
+        default=None,
+        help="local processes to launch when not under torchrun (ignored under torchrun); "
+        "2 on CPU, one per GPU on a GPU machine",
     )
     model = p.add_argument_group("model")
-    model.add_argument("--dim", type=int, default=128, help="model width")
-    model.add_argument("--layers", type=int, default=2, help="decoder blocks")
-    model.add_argument("--heads", type=int, default=4, help="attention heads (must divide --dim)")
+    model.add_argument("--dim", type=int, default=128, help="model width (%(default)s)")
+    model.add_argument("--layers", type=int, default=2, help="decoder blocks (%(default)s)")
+    model.add_argument(
+        "--heads", type=int, default=4, help="attention heads, must divide --dim (%(default)s)"
+    )
     sharding = p.add_argument_group("fczero")
     sharding.add_argument("--compile", action="store_true", help="torch.compile(model) (Inductor)")
     sharding.add_argument(
-        "--param-dtype", choices=sorted(_DTYPES), default=None, help="dtype of the forward"
+        "--param-dtype",
+        choices=sorted(_DTYPES),
+        default=None,
+        help="dtype of the forward (the params' own, fp32)",
     )
     sharding.add_argument(
-        "--reduce-dtype", choices=sorted(_DTYPES), default=None, help="dtype of the grad reduce"
+        "--reduce-dtype",
+        choices=sorted(_DTYPES),
+        default=None,
+        help="dtype of the grad reduce (--param-dtype)",
     )
     sharding.add_argument(
         "--no-reshard",
@@ -99,7 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep unsharded params from forward to backward (reshard_after_forward=False)",
     )
     out = p.add_argument_group("output")
-    out.add_argument("--log-every", type=int, default=10, help="print a line every N steps")
+    out.add_argument(
+        "--log-every", type=int, default=10, help="print a line every N steps (%(default)s)"
+    )
     out.add_argument("--json", metavar="PATH", default=None, help="write the summary here (rank 0)")
     return p
 
@@ -107,9 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.nproc is None:
+        args.nproc = torch.cuda.device_count() if torch.cuda.is_available() else 2
     for name in ("steps", "batch_size", "seq_len", "dim", "layers", "heads", "nproc", "log_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
+        parser.error(f"--nproc {args.nproc} is more than the {torch.cuda.device_count()} GPUs")
     if args.dim % args.heads:
         parser.error(f"--dim {args.dim} must be divisible by --heads {args.heads}")
     return args
@@ -133,12 +158,18 @@ def _launch(nproc: int, argv: list[str]) -> int:
     if "OMP_NUM_THREADS" not in os.environ:  # else torchrun sets 1 and warns
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     launch_args = get_args_parser().parse_args(
-        ["--nproc-per-node", str(nproc), "--module", "fczero.train", *argv]
+        ["--nproc-per-node", str(nproc), "--module", "fczero.train"]
     )
+    launch_args.training_script_args = list(argv)  # not parsed by torchrun: --nproc is ambiguous
     try:
         run(launch_args)
     except ChildFailedError as e:
-        print(f"fczero.train: {len(e.failures)} rank(s) failed; see above.", file=sys.stderr)
+        rank, failure = e.get_first_failure()
+        print(
+            f"fczero.train: rank {rank} failed first (exit code {failure.exitcode}); "
+            "its traceback is above.",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -208,11 +239,24 @@ def _peak_memory(device: torch.device) -> tuple[float, str]:
     return rss / (2**20 if sys.platform == "darwin" else 2**10), "max RSS"
 
 
-def _global_mean(value: torch.Tensor, world_size: int) -> float:
-    """Mean of a 0-d tensor over ranks (a collective: every rank must call it)."""
-    value = value.detach().float().clone()
-    dist.all_reduce(value)
-    return value.item() / world_size
+class _LossMeter:
+    """Sums the loss of each step; ``mean`` averages it over the window of steps and the ranks."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.total = torch.zeros((), device=device)
+        self.steps = 0
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.total += loss.detach()
+        self.steps += 1
+
+    def mean(self, world_size: int) -> float:
+        """Mean loss since the last call over all ranks (a collective: every rank calls it)."""
+        dist.all_reduce(self.total)
+        value = self.total.item() / (self.steps * world_size)
+        self.total.zero_()
+        self.steps = 0
+        return value
 
 
 def _sync(device: torch.device) -> None:
@@ -221,17 +265,40 @@ def _sync(device: torch.device) -> None:
 
 
 def train(args: argparse.Namespace) -> Summary:
-    """Train under an initialized torchrun environment; rank 0 prints and returns the summary."""
+    """Train under a torchrun environment; every rank returns the summary, rank 0 prints it.
+
+    [Note: gloo at exit]
+    Gloo drops a finished collective's reference to its tensors on its own worker
+    thread, after the caller's ``wait`` has returned, and dropping a C++ reference to a
+    tensor that has a Python object takes the GIL. ``destroy_process_group`` does not
+    join those threads while anything still holds the group (a ``DeviceMesh`` does, and
+    DTensor's caches keep the mesh), so a rank that reaches interpreter shutdown right
+    after its last collective can have that thread killed inside ``take_gil``:
+    "terminate called without an active exception", SIGABRT, exit code -6, about one
+    run in four here. So every rank ends with a barrier and a short sleep, both with
+    the GIL released, which lets the worker thread finish before shutdown begins.
+    """
     start = time.perf_counter()
     mesh, device = _init_distributed()
     try:
-        return _train_loop(args, mesh, device, start)
+        summary = _train_loop(args, mesh, device, start)
+        _drain_collectives()
+        return summary
     finally:
         dist.destroy_process_group()
 
 
+def _drain_collectives() -> None:
+    """Let gloo's worker threads release the last collectives: see [Note: gloo at exit]."""
+    dist.barrier()
+    time.sleep(0.05)
+
+
 def _train_loop(
-    args: argparse.Namespace, mesh: DeviceMesh, device: torch.device, start: float
+    args: argparse.Namespace,
+    mesh: DeviceMesh,
+    device: torch.device,
+    start: float,
 ) -> Summary:
     rank, world = dist.get_rank(), dist.get_world_size()
     is_main = rank == 0
@@ -253,18 +320,18 @@ def _train_loop(
         print(_header(args, n_params, world, dist.get_backend(), device), flush=True)
 
     losses: list[tuple[int, float]] = []
-    window_loss = torch.zeros((), device=device)
-    window_start, window_steps, warm_start = time.perf_counter(), 0, None
+    meter = _LossMeter(device)
+    window_start, warm_start = time.perf_counter(), None
     for step in range(1, args.steps + 1):
         loss = _next_token_loss(forward, sampler.next_batch())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        window_loss += loss.detach()
-        window_steps += 1
+        meter.add(loss)
         if step == 1 or step % args.log_every == 0 or step == args.steps:
-            mean_loss = _global_mean(window_loss, world) / window_steps
+            window_steps = meter.steps
+            mean_loss = meter.mean(world)
             _sync(device)
             now = time.perf_counter()
             losses.append((step, mean_loss))
@@ -274,8 +341,7 @@ def _train_loop(
                 print(_step_line(step, args.steps, mean_loss, tok_s, mem, kind), flush=True)
             if step == 1:
                 warm_start = now
-            window_loss.zero_()
-            window_start, window_steps = time.perf_counter(), 0
+            window_start = time.perf_counter()
     _sync(device)
     end = time.perf_counter()
 
