@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
+from fczero import prefetch as eager_prefetch
 from fczero import resharding
 from fczero.passes import registry
 from fczero.passes.install import install
@@ -96,6 +97,8 @@ def parallelize(
         registry.unregister(dp_mesh.get_group().group_name)
 
     setattr(model, ROOT_ATTR, options)
+    window = options.bucket_bytes * options.prefetch
+    model.__dict__["_fczero_prefetch"] = eager_prefetch.EagerPrefetch(window)
     model.register_forward_pre_hook(_root_pre_forward, with_kwargs=True)
     model.register_forward_hook(_exit_reshard_scope, always_call=True)
     logger.info(
@@ -207,10 +210,15 @@ def _root_pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     options: ShardingOptions = getattr(module, ROOT_ATTR)
     if options.param_dtype is not None:
         args, kwargs = tree_map_only(torch.Tensor, partial(_cast_floating, options.param_dtype), (args, kwargs))
-    if options.reshard_after_forward and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        return args, kwargs
+    if options.reshard_after_forward:
         scope = resharding.reshard_scope()
         scope.__enter__()
         module.__dict__["_fczero_scope"] = scope
+    if eager_prefetch.active is None:  # the outermost parallelized root prefetches
+        eager_prefetch.active = module.__dict__["_fczero_prefetch"]
+        eager_prefetch.active.start()
     return args, kwargs
 
 
@@ -221,6 +229,9 @@ def _cast_floating(dtype: torch.dtype, t: torch.Tensor) -> torch.Tensor:
 def _exit_reshard_scope(module: nn.Module, args: object, output: object) -> None:
     if torch.compiler.is_compiling():
         return  # no scope was opened; Dynamo on torch 2.11 cannot trace __dict__.pop
+    if eager_prefetch.active is module.__dict__["_fczero_prefetch"]:
+        eager_prefetch.active.finish()
+        eager_prefetch.active = None
     scope = module.__dict__.pop("_fczero_scope", None)
     if scope is not None:
         scope.__exit__(None, None, None)

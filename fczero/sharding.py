@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from fczero import collectives, resharding
+from fczero import collectives, prefetch, resharding
 from fczero.config import ShardingOptions
 
 logger = logging.getLogger("fczero")
@@ -57,25 +57,29 @@ class ShardSpec:
     def is_scalar(self) -> bool:
         return len(self.shape) == 0
 
+    def unsharded_bytes(self, param: torch.Tensor) -> int:
+        """Bytes of the unsharded param this spec gathers (in ``param_dtype`` if set)."""
+        dtype = self.options.param_dtype or param.dtype
+        return math.prod(self.shape) * dtype.itemsize
+
     def unshard(self, param: torch.Tensor) -> torch.Tensor:
         """Sharded param (DTensor) -> unsharded param (plain tensor), differentiably."""
-        local = param.to_local(grad_placements=param.placements) if isinstance(param, DTensor) else param
         opts = self.options
         if self.is_scalar:
             return collectives.replicate_scalar(
-                local, self.group_size, self.group_name, opts.param_dtype, opts.reduce_dtype
+                _local(param), self.group_size, self.group_name, opts.param_dtype, opts.reduce_dtype
             )
-        if not opts.reshard_after_forward:
-            return self._gather(local)
         if torch.compiler.is_compiling():
+            if not opts.reshard_after_forward:
+                return self._gather(_local(param))
             # Stage 3 under compile: the partitioner must recompute the gather chain in
             # backward rather than save the unsharded param for it.
             return checkpoint(
-                self._gather, local, use_reentrant=False, context_fn=_recompute_everything
+                self._gather, _local(param), use_reentrant=False, context_fn=_recompute_everything
             )
-        full = self._gather(local)
-        resharding.register_gathered(full, self, param)
-        return full
+        if prefetch.active is not None:
+            return prefetch.active.gather(self, param, _eager_gather)
+        return _eager_gather(self, param)
 
     def _gather(self, local: torch.Tensor) -> torch.Tensor:
         pad = self.rows_per_rank - self.local_rows
@@ -95,6 +99,18 @@ class ShardSpec:
             local = param.to_local() if isinstance(param, DTensor) else param
             full = self._gather(local)
         return full.wait() if hasattr(full, "wait") else full
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The local shard, linked to the sharded param by autograd (its grad is ``Shard(0)``)."""
+    return param.to_local(grad_placements=param.placements) if isinstance(param, DTensor) else param
+
+
+def _eager_gather(spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
+    """The eager gather of a sharded param (stage 3: recorded so that saving it packs a recipe)."""
+    full = spec._gather(_local(param))
+    resharding.register_gathered(full, spec, param)
+    return full
 
 
 def _must_recompute(ctx, op, *args, **kwargs) -> CheckpointPolicy:

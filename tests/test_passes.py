@@ -123,7 +123,7 @@ class PassTest(expecttest.TestCase):
         run_passes(fw, settings())
         run_passes(bw, settings())
         self.assertExpectedInline(render(fw), """\
-def forward(self, primals_1: "f32[256, 512]", primals_2, primals_3: "f32[256]", primals_4, primals_5: "f32[4, 512]", primals_6: "f32[256, 512]", primals_7, primals_8: "f32[256]", primals_9, primals_10: "f32[256, 512]", primals_11, primals_12: "f32[256]", primals_13, primals_14: "f32[4, 512]", primals_15):
+def forward(self, primals_1: "f32[256, 512]", primals_3: "f32[256]", primals_5: "f32[4, 512]", primals_6: "f32[256, 512]", primals_8: "f32[256]", primals_10: "f32[256, 512]", primals_12: "f32[256]", primals_14: "f32[4, 512]"):
 view: "f32[256, 512]" = aten.view(primals_1, [256, 512])
 view_1: "f32[256]" = aten.view(primals_3, [256])
 view_default: "f32[131072]" = aten.view(view, [-1])
@@ -182,9 +182,9 @@ addmm_2: "f32[4, 512]" = aten.addmm(view_default_15, relu_1, t_2);  view_default
 relu_2: "f32[4, 512]" = aten.relu(addmm_2)
 t_3: "f32[512, 8]" = aten.t(view_default_16)
 mm: "f32[4, 8]" = aten.mm(relu_2, t_3)
-return (mm, primals_1, primals_5, primals_6, primals_8, view_1, relu, relu_1, view_4, view_5, relu_2, view_6, primals_2)""")
+return (mm, primals_1, primals_5, primals_6, primals_8, view_1, relu, relu_1, view_4, view_5, relu_2, view_6)""")
         self.assertExpectedInline(render(bw), """\
-def forward(self, primals_1: "f32[256, 512]", primals_5: "f32[4, 512]", primals_6: "f32[256, 512]", primals_8: "f32[256]", view_1: "f32[256]", relu: "f32[4, 512]", relu_1: "f32[4, 512]", view_4: "f32[256, 512]", view_5: "f32[256]", relu_2: "f32[4, 512]", view_6: "f32[4, 512]", primals_2, tangents_1: "f32[4, 8]"):
+def forward(self, primals_1: "f32[256, 512]", primals_5: "f32[4, 512]", primals_6: "f32[256, 512]", primals_8: "f32[256]", view_1: "f32[256]", relu: "f32[4, 512]", relu_1: "f32[4, 512]", view_4: "f32[256, 512]", view_5: "f32[256]", relu_2: "f32[4, 512]", view_6: "f32[4, 512]", tangents_1: "f32[4, 8]"):
 t_4: "f32[8, 4]" = aten.t(tangents_1)
 mm_1: "f32[8, 512]" = aten.mm(t_4, relu_2)
 t_5: "f32[512, 8]" = aten.t(mm_1)
@@ -287,7 +287,7 @@ view_15: "f32[256]" = aten.view(view_default_20, [256])
 slice_tensor_8: "f32[131072]" = aten.slice.Tensor(wait_tensor_default_3, 0, 256, 131328)
 view_default_21: "f32[256, 512]" = aten.view(slice_tensor_8, [256, 512])
 view_16: "f32[256, 512]" = aten.view(view_default_21, [256, 512])
-return (view_16, primals_2, view_15, primals_2, None, view_13, primals_2, view_12, primals_2, view_10, primals_2, view_9, primals_2, view_7, primals_2)""")
+return (view_16, view_15, None, view_13, view_12, view_10, view_9, view_7)""")
 
 
 def test_memory_model_counts_views_as_their_base():

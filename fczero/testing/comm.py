@@ -8,16 +8,25 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fczero.testing.graphs import COLLECTIVE_OPS
 
 
-class CollectiveLog(TorchDispatchMode):
-    """``with CollectiveLog() as log: ...`` then ``log.ops``: e.g. ``["all_gather_into_tensor", ...]``."""
+_MATMULS = ("mm", "addmm", "bmm")
 
-    def __init__(self) -> None:
+
+class CollectiveLog(TorchDispatchMode):
+    """``with CollectiveLog() as log: ...`` then ``log.ops``: e.g. ``["all_gather_into_tensor", ...]``.
+
+    With ``matmuls=True`` matrix multiplies are logged too, to see what overlaps what.
+    """
+
+    def __init__(self, matmuls: bool = False) -> None:
         super().__init__()
         self.ops: list[str] = []
+        self.matmuls = matmuls
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.split("::")[-1]
         if func.namespace == "_c10d_functional" and name in COLLECTIVE_OPS and name != "wait_tensor":
+            self.ops.append(name)
+        elif self.matmuls and func.namespace == "aten" and name in _MATMULS:
             self.ops.append(name)
         return func(*args, **(kwargs or {}))
 

@@ -22,6 +22,12 @@ COLLECTIVE_OPS = (
 
 def render(gm: torch.fx.GraphModule) -> str:
     text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
+    # Opaque inputs (the process groups a DTensor carries) are not data; which of them AOT
+    # passes through to backward varies with what the process compiled before.
+    opaque = [
+        n.name for n in gm.graph.nodes
+        if n.op == "placeholder" and not isinstance(n.meta.get("val"), (torch.Tensor, type(None)))
+    ]
     lines = []
     for line in text.splitlines():
         stripped = line.strip()
@@ -29,6 +35,10 @@ def render(gm: torch.fx.GraphModule) -> str:
             continue
         stripped = re.sub(r";\s+[\w, ]+ = None$", "", stripped)  # drop 'x = None' frees
         stripped = stripped.replace("torch.ops.", "").replace(".default", "")
+        if stripped.startswith(("def forward", "return ")):
+            for name in opaque:
+                stripped = re.sub(rf",? ?\b{name}\b(?=[,)])", "", stripped)
+            stripped = stripped.replace("(, ", "(").replace("(self, ", "(self, ")
         lines.append(stripped)
     return "\n".join(lines)
 

@@ -1,0 +1,91 @@
+"""Eager prefetch: the gather of the next params is in flight while this module computes.
+
+The first eager forward of a parallelized root records the order in which params
+are gathered (every rank runs the same code, so every rank records the same order).
+Later forwards replay it: when the n-th gather is asked for, the gathers that follow
+it are issued too, up to ``window`` bytes of unsharded params ahead; each returns an
+``AsyncCollectiveTensor`` at once, so the all-gather runs on the communication
+stream while the current module computes, and its wait happens at first use.
+
+If a forward asks for params in another order than recorded (a data-dependent
+branch), prefetching stops for that forward and the order is recorded anew.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+if TYPE_CHECKING:
+    from fczero.sharding import ShardSpec
+
+logger = logging.getLogger("fczero")
+
+Gather = Callable[["ShardSpec", torch.Tensor], torch.Tensor]
+
+
+class EagerPrefetch:
+    """Per-root state: the recorded gather order and one forward's prefetched gathers."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.order: list[tuple[ShardSpec, torch.Tensor]] | None = None
+        self._seen: list[tuple[ShardSpec, torch.Tensor]] = []
+        self._ready: dict[int, torch.Tensor] = {}
+        self._cursor = 0
+        self._issued = 0
+        self._replaying = False
+
+    def start(self) -> None:
+        self._seen, self._ready, self._cursor, self._issued = [], {}, 0, 0
+        self._replaying = self.order is not None and self.window > 0
+
+    def gather(self, spec: ShardSpec, param: torch.Tensor, gather: Gather) -> torch.Tensor:
+        n = self._cursor
+        self._cursor += 1
+        self._seen.append((spec, param))
+        if not self._replaying:
+            return gather(spec, param)
+        if n >= len(self.order) or self.order[n][1] is not param:
+            logger.info("fczero: gather order changed at gather %d; eager prefetch off this step", n)
+            self._replaying = False
+            return self._ready.pop(n, None) if n in self._ready else gather(spec, param)
+        full = self._ready.pop(n, None)
+        if full is None:
+            full = gather(spec, param)
+        self._issue_ahead(n, gather)
+        return full
+
+    def _issue_ahead(self, n: int, gather: Gather) -> None:
+        """Issue the gathers after the n-th while they fit in the window (at least one)."""
+        ahead = sum(_nbytes(t) for i, t in self._ready.items() if i > n)
+        j = max(self._issued, n + 1)
+        while j < len(self.order):
+            spec, param = self.order[j]
+            size = spec.unsharded_bytes(param)
+            if ahead and ahead + size > self.window:
+                break
+            self._ready[j] = gather(spec, param)
+            ahead += size
+            j += 1
+        self._issued = j
+
+    def finish(self) -> None:
+        """End of forward: keep the order seen; wait for (and drop) unused prefetches."""
+        if self._cursor:
+            self.order = self._seen
+        for full in self._ready.values():
+            if isinstance(full, AsyncCollectiveTensor):
+                full.wait()
+        self._ready, self._seen, self._replaying = {}, [], False
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+active: EagerPrefetch | None = None
