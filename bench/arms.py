@@ -168,13 +168,11 @@ def build_ddp(ctx: ArmContext) -> Arm:
     return Arm(step=train_step(ddp, opt), keep=[ddp, root, opt])
 
 
-def _fczero(ctx: ArmContext, *, compiled: bool, passes: bool = True) -> Arm:
+def _fczero(ctx: ArmContext, *, compiled: bool, **options: object) -> Arm:
     import fczero
 
     root = LossModule(build_model(ctx))
-    fczero.parallelize(
-        root, ctx.mesh, param_dtype=BF16, reduce_dtype=torch.float32, compile_passes=passes
-    )
+    fczero.parallelize(root, ctx.mesh, param_dtype=BF16, reduce_dtype=torch.float32, **options)
     opt = adamw(root.parameters(), ctx)
     module = torch.compile(root, backend=ctx.compile_backend) if compiled else root
     return Arm(step=train_step(module, opt), keep=[root, module, opt])
@@ -189,7 +187,12 @@ def build_fczero_compiled(ctx: ArmContext) -> Arm:
 
 
 def build_fczero_compiled_no_passes(ctx: ArmContext) -> Arm:
-    return _fczero(ctx, compiled=True, passes=False)
+    return _fczero(ctx, compiled=True, compile_passes=False)
+
+
+def build_fczero_compiled_per_block(ctx: ArmContext) -> Arm:
+    """Buckets of one block (128 MiB holds one benchmark block), against the default 256 MiB."""
+    return _fczero(ctx, compiled=True, bucket_bytes=128 * 2**20)
 
 
 def deepspeed_config(batch: int, *, deepcompile: bool) -> dict[str, object]:
@@ -282,6 +285,11 @@ ARMS: dict[str, ArmSpec] = {
         ),
         ArmSpec(name="fczero-compiled", label="fczero compiled", build=build_fczero_compiled),
         ArmSpec(
+            name="fczero-perblock",
+            label="fczero compiled, 128 MiB buckets",
+            build=build_fczero_compiled_per_block,
+        ),
+        ArmSpec(
             name="deepspeed-zero3",
             label="DeepSpeed ZeRO-3 (bf16, overlap_comm)",
             build=build_deepspeed_zero3,
@@ -300,7 +308,7 @@ GROUPS: dict[str, list[str]] = {
     "all": list(ARMS),
     "core": [name for name in ARMS if not name.startswith("deepspeed")],
     "deepspeed": [name for name in ARMS if name.startswith("deepspeed")],
-    "fczero": ["fczero-eager", "fczero-nopasses", "fczero-compiled"],
+    "fczero": ["fczero-eager", "fczero-nopasses", "fczero-compiled", "fczero-perblock"],
     "fsdp2": ["fsdp2-eager", "fsdp2-compiled"],
 }
 """Names ``--arms`` accepts besides single arms."""
