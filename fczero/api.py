@@ -32,7 +32,7 @@ def parallelize(
     reshard_after_forward: bool = True,
     axis: str | int | None = None,
     compile_passes: bool = True,
-    bucket_bytes: int = 256 * 2**20,
+    bucket_bytes: int = 128 * 2**20,
     prefetch: int = 1,
     memory_budget: int | None = None,
     **unknown: object,

@@ -34,9 +34,11 @@ class ShardingOptions:
     """Install fczero's graph passes (bucketing, prefetch, late waits) in Inductor.
     They act only on graphs that ``torch.compile`` builds; eager mode is unaffected."""
 
-    bucket_bytes: int = 256 * 2**20
+    bucket_bytes: int = 128 * 2**20
     """Most bytes (unsharded side) one bucketed all-gather or reduce-scatter may carry.
-    Buckets follow model blocks (``layers.3``) and close at this size. 0: no bucketing."""
+    Buckets hold whole model blocks (``layers.3``) while they fit. 0: no bucketing.
+    128 MiB (one block of the 953M benchmark model) was measured against 256 MiB:
+    equal speed, less memory (docs/benchmarks.md)."""
 
     prefetch: int = 1
     """How many buckets ahead a compiled graph may issue an all-gather. The memory
