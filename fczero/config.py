@@ -37,8 +37,8 @@ class ShardingOptions:
     bucket_bytes: int = 128 * 2**20
     """Most bytes (unsharded side) one bucketed all-gather or reduce-scatter may carry.
     Buckets hold whole model blocks (``layers.3``) while they fit. 0: no bucketing.
-    128 MiB (one block of the 953M benchmark model) was measured against 256 MiB:
-    equal speed, less memory (docs/benchmarks.md)."""
+    128 MiB (one block of the 953M benchmark model) against 256 MiB measured 2% slower
+    with 0.42 GiB less peak memory (docs/benchmarks.md)."""
 
     prefetch: int = 1
     """How many buckets ahead a compiled graph may issue an all-gather. The memory
