@@ -13,10 +13,18 @@ from torch.utils._pytree import tree_map_only
 
 from fczero import prefetch as eager_prefetch
 from fczero import resharding
+from fczero.config import ShardingOptions
 from fczero.passes import registry
 from fczero.passes.install import install
-from fczero.config import ShardingOptions
-from fczero.sharding import MANAGED_ATTR, ROOT_ATTR, ShardSpec, mesh_device, quiet_gather_checkpoint_note, shard_tensor, wire_module
+from fczero.sharding import (
+    MANAGED_ATTR,
+    ROOT_ATTR,
+    ShardSpec,
+    mesh_device,
+    quiet_gather_checkpoint_note,
+    shard_tensor,
+    wire_module,
+)
 
 logger = logging.getLogger("fczero")
 
@@ -195,7 +203,9 @@ def _install_passes(mesh: DeviceMesh, options: ShardingOptions) -> None:
     budget = options.memory_budget
     if budget is None and mesh.device_type != "cpu":
         device = mesh_device(mesh)
-        budget = int(0.9 * torch.get_device_module(device).get_device_properties(device).total_memory)
+        budget = int(
+            0.9 * torch.get_device_module(device).get_device_properties(device).total_memory
+        )
     registry.register(
         mesh.get_group().group_name,
         bucket_bytes=options.bucket_bytes,
@@ -209,7 +219,9 @@ def _root_pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     """Cast floating inputs to ``param_dtype`` (as FSDP2 does) and open the eager reshard scope."""
     options: ShardingOptions = getattr(module, ROOT_ATTR)
     if options.param_dtype is not None:
-        args, kwargs = tree_map_only(torch.Tensor, partial(_cast_floating, options.param_dtype), (args, kwargs))
+        args, kwargs = tree_map_only(
+            torch.Tensor, partial(_cast_floating, options.param_dtype), (args, kwargs)
+        )
     if torch.compiler.is_compiling():
         return args, kwargs
     if options.reshard_after_forward:

@@ -80,7 +80,9 @@ class ShardingOptions:
             if value < 0:
                 raise ValueError(f"fczero: {name}={value} is negative; use 0 or more.")
         if not isinstance(self.compile_passes, bool):
-            raise TypeError(f"fczero: compile_passes must be True or False, got {self.compile_passes!r}.")
+            raise TypeError(
+                f"fczero: compile_passes must be True or False, got {self.compile_passes!r}."
+            )
         if self.axis is not None and (
             isinstance(self.axis, bool) or not isinstance(self.axis, (str, int))
         ):

@@ -15,9 +15,25 @@ import torch.fx as fx
 
 # Ops whose output aliases their first argument's storage.
 _ALIASING = {
-    "view", "_unsafe_view", "t", "transpose", "permute", "slice", "select", "expand",
-    "as_strided", "alias", "unsqueeze", "squeeze", "detach", "split", "unbind",
-    "wait_tensor", "reshape", "view_as", "split_with_sizes",
+    "view",
+    "_unsafe_view",
+    "t",
+    "transpose",
+    "permute",
+    "slice",
+    "select",
+    "expand",
+    "as_strided",
+    "alias",
+    "unsqueeze",
+    "squeeze",
+    "detach",
+    "split",
+    "unbind",
+    "wait_tensor",
+    "reshape",
+    "view_as",
+    "split_with_sizes",
 }
 
 

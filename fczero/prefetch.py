@@ -51,7 +51,9 @@ class EagerPrefetch:
         if not self._replaying:
             return gather(spec, param)
         if n >= len(self.order) or self.order[n][1] is not param:
-            logger.info("fczero: gather order changed at gather %d; eager prefetch off this step", n)
+            logger.info(
+                "fczero: gather order changed at gather %d; eager prefetch off this step", n
+            )
             self._replaying = False
             return self._ready.pop(n, None) if n in self._ready else gather(spec, param)
         full = self._ready.pop(n, None)

@@ -101,6 +101,11 @@ class ThreeBlocks(nn.Module):
         return self.head(x)
 
 
-def block_batches(steps: int = 4, batch: int = 8, dim: int = 512) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def block_batches(
+    steps: int = 4, batch: int = 8, dim: int = 512
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(2)
-    return [(torch.randn(batch, dim, generator=g), torch.randn(batch, 8, generator=g)) for _ in range(steps)]
+    return [
+        (torch.randn(batch, dim, generator=g), torch.randn(batch, 8, generator=g))
+        for _ in range(steps)
+    ]

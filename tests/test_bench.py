@@ -150,7 +150,15 @@ def test_select_arms() -> None:
     assert [a.name for a in select_arms("all")] == list(ARMS)
     assert [a.name for a in select_arms("fczero-eager,floor")] == ["floor", "fczero-eager"]
     core = [a.name for a in select_arms("all", skip="deepspeed,ddp")]
-    assert core == ["floor", "fsdp2-eager", "fsdp2-compiled", "fczero-eager", "fczero-nopasses", "fczero-compiled", "fczero-256mib"]
+    assert core == [
+        "floor",
+        "fsdp2-eager",
+        "fsdp2-compiled",
+        "fczero-eager",
+        "fczero-nopasses",
+        "fczero-compiled",
+        "fczero-256mib",
+    ]
     with pytest.raises(ValueError, match="unknown arm 'fsdp3'"):
         select_arms("fsdp3")
 

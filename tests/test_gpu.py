@@ -12,7 +12,7 @@ import torch
 
 from fczero.testing import parity
 from fczero.testing.distributed import run_on_ranks
-from tests.test_numerics import BF16, Case
+from tests.test_numerics import BF16, Case, run_cases
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,27 +26,17 @@ CASES = [
     Case("llama", "adamw"),
     Case("mlp", backend="inductor"),
     Case("llama", backend="inductor"),
-    Case("llama", backend="inductor", options=(("param_dtype", torch.bfloat16), ("reduce_dtype", torch.float32))),
+    Case(
+        "llama",
+        backend="inductor",
+        options=(("param_dtype", torch.bfloat16), ("reduce_dtype", torch.float32)),
+    ),
 ]
-
-
-def _run_cases(rank: int, world_size: int, cases: list[Case]) -> list[parity.Trace]:
-    traces = []
-    for case in cases:
-        build, batches, criterion = case.setup()
-        torch._dynamo.reset()
-        traces.append(
-            parity.train_parallel(
-                rank, world_size, build, batches, criterion, optimizer=case.optimizer, lr=case.lr,
-                compile_backend=case.backend, device_type="cuda", **dict(case.options),
-            )
-        )
-    return traces
 
 
 @pytest.fixture(scope="module")
 def nccl_traces() -> dict[str, parity.Trace]:
-    per_rank = run_on_ranks(_run_cases, 2, CASES, backend="nccl")
+    per_rank = run_on_ranks(run_cases, 2, CASES, "cuda", backend="nccl")
     return {c.id: t for c, t in zip(CASES, per_rank[0])}
 
 

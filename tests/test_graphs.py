@@ -72,7 +72,9 @@ class GraphTest(expecttest.TestCase):
     @same_torch
     def test_snapshot_reshard_after_forward(self):
         fw, bw = self.compile_two_layer(reshard_after_forward=True)
-        self.assertExpectedInline(render(fw), """\
+        self.assertExpectedInline(
+            render(fw),
+            """\
 def forward(self, primals_1: "f32[8, 8]", primals_3: "f32[8]", primals_5: "f32[3, 8]", primals_6: "f32[2, 16]"):
 view: "f32[8, 8]" = aten.view(primals_1, [8, 8])
 all_gather_into_tensor: "f32[16, 8]" = _c10d_functional.all_gather_into_tensor(view, 2, '0')
@@ -88,8 +90,11 @@ all_gather_into_tensor_2: "f32[4, 16]" = _c10d_functional.all_gather_into_tensor
 wait_tensor_2: "f32[4, 16]" = _c10d_functional.wait_tensor(all_gather_into_tensor_2)
 t_1: "f32[16, 4]" = aten.t(wait_tensor_2)
 mm: "f32[3, 4]" = aten.mm(relu, t_1)
-return (mm, primals_1, primals_5, view_1, relu, view_2)""")
-        self.assertExpectedInline(render(bw), """\
+return (mm, primals_1, primals_5, view_1, relu, view_2)""",
+        )
+        self.assertExpectedInline(
+            render(bw),
+            """\
 def forward(self, primals_1: "f32[8, 8]", primals_5: "f32[3, 8]", view_1: "f32[8]", relu: "f32[3, 16]", view_2: "f32[2, 16]", tangents_1: "f32[3, 4]"):
 t_2: "f32[4, 3]" = aten.t(tangents_1)
 mm_1: "f32[4, 16]" = aten.mm(t_2, relu)
@@ -121,12 +126,15 @@ div_2: "f32[16, 8]" = aten.div.Tensor(t_8, 2)
 reduce_scatter_tensor_2: "f32[8, 8]" = _c10d_functional.reduce_scatter_tensor(div_2, 'sum', 2, '0')
 wait_tensor_5: "f32[8, 8]" = _c10d_functional.wait_tensor(reduce_scatter_tensor_2)
 view_6: "f32[8, 8]" = aten.view(wait_tensor_5, [8, 8])
-return (view_6, view_5, None, view_3)""")
+return (view_6, view_5, None, view_3)""",
+        )
 
     @same_torch
     def test_snapshot_keep_after_forward(self):
         fw, bw = self.compile_two_layer(reshard_after_forward=False)
-        self.assertExpectedInline(render(fw), """\
+        self.assertExpectedInline(
+            render(fw),
+            """\
 def forward(self, primals_1: "f32[8, 8]", primals_3: "f32[8]", primals_5: "f32[3, 8]", primals_6: "f32[2, 16]"):
 view: "f32[8, 8]" = aten.view(primals_1, [8, 8])
 all_gather_into_tensor: "f32[16, 8]" = _c10d_functional.all_gather_into_tensor(view, 2, '0')
@@ -143,8 +151,11 @@ wait_tensor_2: "f32[4, 16]" = _c10d_functional.wait_tensor(all_gather_into_tenso
 t_1: "f32[16, 4]" = aten.t(wait_tensor_2)
 mm: "f32[3, 4]" = aten.mm(relu, t_1)
 t_4: "f32[4, 16]" = aten.t(t_1)
-return (mm, primals_5, relu, t_4)""")
-        self.assertExpectedInline(render(bw), """\
+return (mm, primals_5, relu, t_4)""",
+        )
+        self.assertExpectedInline(
+            render(bw),
+            """\
 def forward(self, primals_5: "f32[3, 8]", relu: "f32[3, 16]", t_4: "f32[4, 16]", tangents_1: "f32[3, 4]"):
 t_2: "f32[4, 3]" = aten.t(tangents_1)
 mm_1: "f32[4, 16]" = aten.mm(t_2, relu)
@@ -172,12 +183,15 @@ div_2: "f32[16, 8]" = aten.div.Tensor(t_8, 2)
 reduce_scatter_tensor_2: "f32[8, 8]" = _c10d_functional.reduce_scatter_tensor(div_2, 'sum', 2, '0')
 wait_tensor_5: "f32[8, 8]" = _c10d_functional.wait_tensor(reduce_scatter_tensor_2)
 view_6: "f32[8, 8]" = aten.view(wait_tensor_5, [8, 8])
-return (view_6, view_5, None, view_3)""")
+return (view_6, view_5, None, view_3)""",
+        )
 
     @same_torch
     def test_snapshot_bf16_params_fp32_reduce(self):
         fw, bw = self.compile_two_layer(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        self.assertExpectedInline(render(fw), """\
+        self.assertExpectedInline(
+            render(fw),
+            """\
 def forward(self, primals_1: "f32[8, 8]", primals_3: "f32[8]", primals_5: "bf16[3, 8]", primals_6: "f32[2, 16]"):
 view: "f32[8, 8]" = aten.view(primals_1, [8, 8])
 _to_copy: "bf16[8, 8]" = aten._to_copy(view, dtype = torch.bfloat16)
@@ -196,8 +210,11 @@ all_gather_into_tensor_2: "bf16[4, 16]" = _c10d_functional.all_gather_into_tenso
 wait_tensor_2: "bf16[4, 16]" = _c10d_functional.wait_tensor(all_gather_into_tensor_2)
 t_1: "bf16[16, 4]" = aten.t(wait_tensor_2)
 mm: "bf16[3, 4]" = aten.mm(relu, t_1)
-return (mm, primals_1, primals_3, primals_5, primals_6, relu)""")
-        self.assertExpectedInline(render(bw), """\
+return (mm, primals_1, primals_3, primals_5, primals_6, relu)""",
+        )
+        self.assertExpectedInline(
+            render(bw),
+            """\
 def forward(self, primals_1: "f32[8, 8]", primals_3: "f32[8]", primals_5: "bf16[3, 8]", primals_6: "f32[2, 16]", relu: "bf16[3, 16]", tangents_1: "bf16[3, 4]"):
 t_2: "bf16[4, 3]" = aten.t(tangents_1)
 mm_1: "bf16[4, 16]" = aten.mm(t_2, relu)
@@ -234,7 +251,8 @@ div_2: "f32[16, 8]" = aten.div.Tensor(_to_copy_5, 2)
 reduce_scatter_tensor_2: "f32[8, 8]" = _c10d_functional.reduce_scatter_tensor(div_2, 'sum', 2, '0')
 wait_tensor_5: "f32[8, 8]" = _c10d_functional.wait_tensor(reduce_scatter_tensor_2)
 view_6: "f32[8, 8]" = aten.view(wait_tensor_5, [8, 8])
-return (view_6, view_5, None, view_3)""")
+return (view_6, view_5, None, view_3)""",
+        )
 
 
 if __name__ == "__main__":

@@ -32,7 +32,10 @@ def _call_lines(code: str) -> list[str]:
 
 def test_inductor_code_gathers_in_forward_and_again_in_backward(fake_pg):
     model = fczero.parallelize(
-        TwoLayer(), init_device_mesh("cpu", (2,)), param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        TwoLayer(),
+        init_device_mesh("cpu", (2,)),
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
     )
     compiled = torch.compile(model, fullgraph=True)  # stock Inductor, no custom backend
 
@@ -57,13 +60,17 @@ def test_inductor_keeps_the_prefetch_order(fake_pg):
 
     with inductor_config.patch(post_grad_custom_post_pass=user_pass):
         # 1.5 MiB: one 1 MiB block per bucket (the head joins the last block)
-        model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), bucket_bytes=3 << 19)
+        model = fczero.parallelize(
+            ThreeBlocks(), init_device_mesh("cpu", (2,)), bucket_bytes=3 << 19
+        )
         compiled = torch.compile(model, fullgraph=True)
         _, codes = run_and_get_code(lambda: compiled(torch.randn(4, 512)).sum().backward())
     assert len(user_pass_calls) == 2  # the user's pass still ran, on forward and backward
     forward = _call_lines(codes[-2])
     gathers = [i for i, line in enumerate(forward) if "all_gather_into_tensor.default(" in line]
-    matmuls = [i for i, line in enumerate(forward) if re.search(r"extern_kernels\.(addmm|mm)\(", line)]
+    matmuls = [
+        i for i, line in enumerate(forward) if re.search(r"extern_kernels\.(addmm|mm)\(", line)
+    ]
     assert len(gathers) == 3 and len(matmuls) == 4  # a bucket per block (the head in the last)
     # the gather for the next block is issued before the matmul of the block before it
     for gather, matmul in zip(gathers[1:], matmuls):

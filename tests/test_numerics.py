@@ -15,7 +15,15 @@ import torch
 
 from fczero.testing import parity
 from fczero.testing.distributed import run_on_ranks
-from tests.models import GraphBreakMLP, ThreeBlocks, UnevenTiedMLP, block_batches, mlp_batches, tiny_llama, token_batches
+from tests.models import (
+    GraphBreakMLP,
+    ThreeBlocks,
+    UnevenTiedMLP,
+    block_batches,
+    mlp_batches,
+    tiny_llama,
+    token_batches,
+)
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
@@ -31,7 +39,9 @@ class Case:
     @property
     def id(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options)
-        return f"{self.model}-{self.optimizer}-{self.backend or 'eager'}" + (f"-{opts}" if opts else "")
+        return f"{self.model}-{self.optimizer}-{self.backend or 'eager'}" + (
+            f"-{opts}" if opts else ""
+        )
 
     def setup(self):
         if self.model == "mlp":
@@ -64,8 +74,11 @@ CASES = {
         Case("mlp", backend="aot_eager_with_passes"),
         Case("llama", "adamw", backend="aot_eager_with_passes"),
         Case("blocks", backend="aot_eager_with_passes"),
-        Case("llama", backend="aot_eager_with_passes",
-             options=(("param_dtype", torch.bfloat16), ("reduce_dtype", torch.float32))),
+        Case(
+            "llama",
+            backend="aot_eager_with_passes",
+            options=(("param_dtype", torch.bfloat16), ("reduce_dtype", torch.float32)),
+        ),
     ],
     4: [
         Case("mlp"),
@@ -78,15 +91,25 @@ CASES = {
 }
 
 
-def _run_cases(rank: int, world_size: int, cases: list[Case]) -> list[parity.Trace]:
+def run_cases(
+    rank: int, world_size: int, cases: list[Case], device_type: str = "cpu"
+) -> list[parity.Trace]:
+    """Train every case in this rank's process (tests on GPUs call it too)."""
     traces = []
     for case in cases:
         build, batches, criterion = case.setup()
         torch._dynamo.reset()
         traces.append(
             parity.train_parallel(
-                rank, world_size, build, batches, criterion,
-                optimizer=case.optimizer, lr=case.lr, compile_backend=case.backend,
+                rank,
+                world_size,
+                build,
+                batches,
+                criterion,
+                optimizer=case.optimizer,
+                lr=case.lr,
+                compile_backend=case.backend,
+                device_type=device_type,
                 **dict(case.options),
             )
         )
@@ -98,7 +121,7 @@ def parallel_traces() -> dict[int, dict[str, parity.Trace]]:
     """Every case of a world size runs in one set of processes (process start-up is slow)."""
     out = {}
     for world_size, cases in CASES.items():
-        per_rank = run_on_ranks(_run_cases, world_size, cases)
+        per_rank = run_on_ranks(run_cases, world_size, cases)
         for rank_traces in per_rank[1:]:  # every rank saw the same averaged losses
             for a, b in zip(rank_traces, per_rank[0]):
                 assert a.losses == b.losses
@@ -125,7 +148,11 @@ def test_matches_single_process_reference(parallel_traces, world_size, case):
 
 def _fp32_llama_with_inductor(rank: int, world_size: int) -> parity.Trace:
     return parity.train_parallel(
-        rank, world_size, tiny_llama, token_batches(steps=3), parity.cross_entropy,
+        rank,
+        world_size,
+        tiny_llama,
+        token_batches(steps=3),
+        parity.cross_entropy,
         compile_backend="inductor",
     )
 

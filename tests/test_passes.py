@@ -33,7 +33,12 @@ PER_BLOCK = 3 << 19  # 1.5 MiB: each 1 MiB block of ThreeBlocks is a bucket of i
 
 
 def settings(**overrides) -> PassSettings:
-    values = {"groups": frozenset({"0"}), "bucket_bytes": PER_BLOCK, "prefetch": 1, "memory_budget": None}
+    values = {
+        "groups": frozenset({"0"}),
+        "bucket_bytes": PER_BLOCK,
+        "prefetch": 1,
+        "memory_budget": None,
+    }
     values.update(overrides)
     return PassSettings(**values)
 
@@ -49,7 +54,9 @@ class PassTest(expecttest.TestCase):
 
     def graphs(self) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         torch.manual_seed(0)
-        model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), compile_passes=False)
+        model = fczero.parallelize(
+            ThreeBlocks(), init_device_mesh("cpu", (2,)), compile_passes=False
+        )
         backend = AotEagerAndRecordGraphs()
         torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 512)).sum().backward()
         return backend.fw_graphs[0], backend.bw_graphs[0]
@@ -62,12 +69,20 @@ class PassTest(expecttest.TestCase):
         # forward: blocks.0, blocks.1, blocks.2 with the 16 KiB head
         self.assertEqual(
             [c for c in collective_sequence(fw) if c.startswith("all_gather")],
-            ["all_gather_into_tensor[262656]", "all_gather_into_tensor[262656]", "all_gather_into_tensor[266752]"],
+            [
+                "all_gather_into_tensor[262656]",
+                "all_gather_into_tensor[262656]",
+                "all_gather_into_tensor[266752]",
+            ],
         )
         # backward: one reduce-scatter per bucket, in the order the gradients become ready
         self.assertEqual(
             [c for c in collective_sequence(bw) if c.startswith("reduce_scatter")],
-            ["reduce_scatter_tensor[133376]", "reduce_scatter_tensor[131328]", "reduce_scatter_tensor[131328]"],
+            [
+                "reduce_scatter_tensor[133376]",
+                "reduce_scatter_tensor[131328]",
+                "reduce_scatter_tensor[131328]",
+            ],
         )
 
     def test_one_bucket_when_the_cap_allows(self):
@@ -122,7 +137,9 @@ class PassTest(expecttest.TestCase):
         fw, bw = self.graphs()
         run_passes(fw, settings())
         run_passes(bw, settings())
-        self.assertExpectedInline(render(fw), """\
+        self.assertExpectedInline(
+            render(fw),
+            """\
 def forward(self, primals_1: "f32[256, 512]", primals_3: "f32[256]", primals_5: "f32[4, 512]", primals_6: "f32[256, 512]", primals_8: "f32[256]", primals_10: "f32[256, 512]", primals_12: "f32[256]", primals_14: "f32[4, 512]"):
 view: "f32[256, 512]" = aten.view(primals_1, [256, 512])
 view_1: "f32[256]" = aten.view(primals_3, [256])
@@ -182,8 +199,11 @@ addmm_2: "f32[4, 512]" = aten.addmm(view_default_15, relu_1, t_2);  view_default
 relu_2: "f32[4, 512]" = aten.relu(addmm_2)
 t_3: "f32[512, 8]" = aten.t(view_default_16)
 mm: "f32[4, 8]" = aten.mm(relu_2, t_3)
-return (mm, primals_1, primals_5, primals_6, primals_8, view_1, relu, relu_1, view_4, view_5, relu_2, view_6)""")
-        self.assertExpectedInline(render(bw), """\
+return (mm, primals_1, primals_5, primals_6, primals_8, view_1, relu, relu_1, view_4, view_5, relu_2, view_6)""",
+        )
+        self.assertExpectedInline(
+            render(bw),
+            """\
 def forward(self, primals_1: "f32[256, 512]", primals_5: "f32[4, 512]", primals_6: "f32[256, 512]", primals_8: "f32[256]", view_1: "f32[256]", relu: "f32[4, 512]", relu_1: "f32[4, 512]", view_4: "f32[256, 512]", view_5: "f32[256]", relu_2: "f32[4, 512]", view_6: "f32[4, 512]", tangents_1: "f32[4, 8]"):
 t_4: "f32[8, 4]" = aten.t(tangents_1)
 mm_1: "f32[8, 512]" = aten.mm(t_4, relu_2)
@@ -287,7 +307,8 @@ view_15: "f32[256]" = aten.view(view_default_20, [256])
 slice_tensor_8: "f32[131072]" = aten.slice.Tensor(wait_tensor_default_3, 0, 256, 131328)
 view_default_21: "f32[256, 512]" = aten.view(slice_tensor_8, [256, 512])
 view_16: "f32[256, 512]" = aten.view(view_default_21, [256, 512])
-return (view_16, view_15, None, view_13, view_12, view_10, view_9, view_7)""")
+return (view_16, view_15, None, view_13, view_12, view_10, view_9, view_7)""",
+        )
 
 
 def test_memory_model_counts_views_as_their_base():

@@ -21,7 +21,12 @@ def _forward_log(model: torch.nn.Module) -> list[str]:
 def test_second_forward_gathers_a_block_ahead(fake_pg):
     model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), bucket_bytes=PER_BLOCK)
     first = _forward_log(model)  # records the gather order: gathers interleave with matmuls
-    assert first[:4] == ["all_gather_into_tensor", "all_gather_into_tensor", "addmm", "all_gather_into_tensor"]
+    assert first[:4] == [
+        "all_gather_into_tensor",
+        "all_gather_into_tensor",
+        "addmm",
+        "all_gather_into_tensor",
+    ]
     second = _forward_log(model)
     # blocks.0 (weight, bias), then blocks.1's weight and bias, all before blocks.0's addmm
     assert second[:5] == ["all_gather_into_tensor"] * 4 + ["addmm"]

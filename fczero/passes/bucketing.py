@@ -60,8 +60,10 @@ def plan_buckets(collectives: list[Collective], bucket_bytes: int) -> list[list[
     size = 0
     for block in blocks:
         block_size = sum(c.bytes for c in block)
-        fits = bool(buckets) and _same_kind(block[0], buckets[-1][0]) and (
-            size + block_size <= bucket_bytes or size < _MIN_BUCKET
+        fits = (
+            bool(buckets)
+            and _same_kind(block[0], buckets[-1][0])
+            and (size + block_size <= bucket_bytes or size < _MIN_BUCKET)
         )
         if fits:
             buckets[-1].extend(block)
@@ -82,19 +84,34 @@ def _same_kind(a: Collective, b: Collective) -> bool:
     return (a.group_name, a.dtype) == (b.group_name, b.dtype)
 
 
-def bucket_all_gathers_pass(gm: fx.GraphModule, groups: set[str], bucket_bytes: int) -> fx.GraphModule:
-    graph = gm.graph
-    gathers = find_gathers(graph, groups)
-    buckets = [b for b in plan_buckets(gathers, bucket_bytes) if len(b) > 1]
+def bucket_all_gathers_pass(
+    gm: fx.GraphModule, groups: set[str], bucket_bytes: int
+) -> fx.GraphModule:
+    return _bucket(gm, find_gathers(gm.graph, groups), bucket_bytes, _merge_gathers, "all-gathers")
+
+
+def bucket_reduce_scatters_pass(
+    gm: fx.GraphModule, groups: set[str], bucket_bytes: int
+) -> fx.GraphModule:
+    return _bucket(
+        gm, find_reduces(gm.graph, groups), bucket_bytes, _merge_reduces, "reduce-scatters"
+    )
+
+
+def _bucket(
+    gm: fx.GraphModule, collectives: list[Collective], bucket_bytes: int, merge, what: str
+) -> fx.GraphModule:
+    buckets = [b for b in plan_buckets(collectives, bucket_bytes) if len(b) > 1]
     if not buckets:
         return gm
+    graph = gm.graph
     fake_mode = fake_mode_of(graph)
     for bucket in buckets:
-        _merge_gathers(graph, fake_mode, bucket)
-    stable_topological_sort(graph)
+        merge(graph, fake_mode, bucket)
+    stable_topological_sort(graph)  # users of early members now follow the merged wait
     graph.lint()
     gm.recompile()
-    logger.info("bucket_all_gathers_pass: %d all-gathers -> %d buckets", sum(map(len, buckets)), len(buckets))
+    logger.info("bucket %s: %d -> %d buckets", what, sum(map(len, buckets)), len(buckets))
     return gm
 
 
@@ -106,40 +123,48 @@ def _merge_gathers(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None
         move_before([n for n in c.prep if pos[n] > pos[first]], first)
     world, group = bucket[0].group_size, bucket[0].group_name
     with graph.inserting_before(first):
-        flats = [insert(graph, fake_mode, aten.view.default, (_contiguous(graph, fake_mode, c.input), [-1]), like=c.node)
-                 for c in bucket]
+        flats = [
+            insert(
+                graph,
+                fake_mode,
+                aten.view.default,
+                (_contiguous(graph, fake_mode, c.input), [-1]),
+                like=c.node,
+            )
+            for c in bucket
+        ]
         sizes = [f.meta["val"].numel() for f in flats]
         flat = insert(graph, fake_mode, aten.cat.default, (flats, 0), like=first)
-        ag = insert(graph, fake_mode, c10d.all_gather_into_tensor.default, (flat, world, group), like=first)
+        ag = insert(
+            graph, fake_mode, c10d.all_gather_into_tensor.default, (flat, world, group), like=first
+        )
         wait = insert(graph, fake_mode, c10d.wait_tensor.default, (ag,), like=first)
         table = insert(graph, fake_mode, aten.view.default, (wait, [world, sum(sizes)]), like=first)
         offset = 0
         for c, n in zip(bucket, sizes):
-            column = insert(graph, fake_mode, aten.slice.Tensor, (table, 1, offset, offset + n), like=c.node)
-            dense = insert(graph, fake_mode, aten.clone.default, (column,),
-                           {"memory_format": torch.contiguous_format}, like=c.node)
-            out = insert(graph, fake_mode, aten.view.default, (dense, list(c.wait.meta["val"].shape)), like=c.node)
+            column = insert(
+                graph, fake_mode, aten.slice.Tensor, (table, 1, offset, offset + n), like=c.node
+            )
+            dense = insert(
+                graph,
+                fake_mode,
+                aten.clone.default,
+                (column,),
+                {"memory_format": torch.contiguous_format},
+                like=c.node,
+            )
+            out = insert(
+                graph,
+                fake_mode,
+                aten.view.default,
+                (dense, list(c.wait.meta["val"].shape)),
+                like=c.node,
+            )
             c.wait.replace_all_uses_with(out)
             offset += n
     for c in bucket:
         graph.erase_node(c.wait)
         graph.erase_node(c.node)
-
-
-def bucket_reduce_scatters_pass(gm: fx.GraphModule, groups: set[str], bucket_bytes: int) -> fx.GraphModule:
-    graph = gm.graph
-    reduces = find_reduces(graph, groups)
-    buckets = [b for b in plan_buckets(reduces, bucket_bytes) if len(b) > 1]
-    if not buckets:
-        return gm
-    fake_mode = fake_mode_of(graph)
-    for bucket in buckets:
-        _merge_reduces(graph, fake_mode, bucket)
-    stable_topological_sort(graph)  # users of early members now follow the merged wait
-    graph.lint()
-    gm.recompile()
-    logger.info("bucket_reduce_scatters_pass: %d reduce-scatters -> %d buckets", sum(map(len, buckets)), len(buckets))
-    return gm
 
 
 def _merge_reduces(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None:
@@ -154,12 +179,26 @@ def _merge_reduces(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None
         sizes = [r.meta["val"].shape[1] for r in rows]
         table = insert(graph, fake_mode, aten.cat.default, (rows, 1), like=last)
         flat = insert(graph, fake_mode, aten.view.default, (table, [-1]), like=last)
-        rs = insert(graph, fake_mode, c10d.reduce_scatter_tensor.default, (flat, "sum", world, group), like=last)
+        rs = insert(
+            graph,
+            fake_mode,
+            c10d.reduce_scatter_tensor.default,
+            (flat, "sum", world, group),
+            like=last,
+        )
         wait = insert(graph, fake_mode, c10d.wait_tensor.default, (rs,), like=last)
         offset = 0
         for c, n in zip(bucket, sizes):
-            piece = insert(graph, fake_mode, aten.slice.Tensor, (wait, 0, offset, offset + n), like=c.node)
-            out = insert(graph, fake_mode, aten.view.default, (piece, list(c.wait.meta["val"].shape)), like=c.node)
+            piece = insert(
+                graph, fake_mode, aten.slice.Tensor, (wait, 0, offset, offset + n), like=c.node
+            )
+            out = insert(
+                graph,
+                fake_mode,
+                aten.view.default,
+                (piece, list(c.wait.meta["val"].shape)),
+                like=c.node,
+            )
             c.wait.replace_all_uses_with(out)
             offset += n
     for c in bucket:
@@ -171,5 +210,11 @@ def _contiguous(graph: fx.Graph, fake_mode, x: fx.Node) -> fx.Node:
     val = x.meta["val"]
     if val.is_contiguous():
         return x
-    return insert(graph, fake_mode, aten.clone.default, (x,), {"memory_format": torch.contiguous_format}, like=x)
-
+    return insert(
+        graph,
+        fake_mode,
+        aten.clone.default,
+        (x,),
+        {"memory_format": torch.contiguous_format},
+        like=x,
+    )

@@ -22,8 +22,14 @@ def _meta(arg: Any) -> Any:
     return fx.node.map_arg(arg, lambda n: n.meta["val"])
 
 
-def insert(graph: fx.Graph, fake_mode, target, args: tuple, kwargs: dict | None = None,
-           like: fx.Node | None = None) -> fx.Node:
+def insert(
+    graph: fx.Graph,
+    fake_mode,
+    target,
+    args: tuple,
+    kwargs: dict | None = None,
+    like: fx.Node | None = None,
+) -> fx.Node:
     """Create ``target(*args)`` at the graph's current insertion point, with ``meta["val"]``.
 
     ``like`` lends its source metadata (stack trace, module stack) so that later

@@ -25,8 +25,18 @@ import torch.fx as fx
 from fczero.memory import nbytes, op_name
 
 # Ops allowed between a graph input and the all-gather of a gather.
-_SHARD_PREP = {"view", "_to_copy", "convert_element_type", "constant_pad_nd", "clone", "alias",
-               "_unsafe_view", "reshape", "contiguous", "cat"}
+_SHARD_PREP = {
+    "view",
+    "_to_copy",
+    "convert_element_type",
+    "constant_pad_nd",
+    "clone",
+    "alias",
+    "_unsafe_view",
+    "reshape",
+    "contiguous",
+    "cat",
+}
 
 
 @dataclass

@@ -25,9 +25,13 @@ class PassSettings:
 _BY_GROUP: dict[str, PassSettings] = {}
 
 
-def register(group_name: str, *, bucket_bytes: int, prefetch: int, memory_budget: int | None) -> None:
+def register(
+    group_name: str, *, bucket_bytes: int, prefetch: int, memory_budget: int | None
+) -> None:
     """Record the settings for one group (a later ``parallelize`` on the same group wins)."""
-    _BY_GROUP[group_name] = PassSettings(frozenset({group_name}), bucket_bytes, prefetch, memory_budget)
+    _BY_GROUP[group_name] = PassSettings(
+        frozenset({group_name}), bucket_bytes, prefetch, memory_budget
+    )
 
 
 def unregister(group_name: str) -> None:
@@ -43,7 +47,10 @@ def snapshot() -> tuple:
 def settings_for_graph(graph: fx.Graph) -> PassSettings | None:
     """The settings of the (first) registered group the graph communicates on, if any."""
     for node in graph.nodes:
-        if node.op == "call_function" and op_name(node) in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        if node.op == "call_function" and op_name(node) in (
+            "all_gather_into_tensor",
+            "reduce_scatter_tensor",
+        ):
             name = node.args[-1] if op_name(node) == "all_gather_into_tensor" else node.args[3]
             if name in _BY_GROUP:
                 return _BY_GROUP[name]

@@ -124,6 +124,8 @@ def prefetch_all_gathers_pass(
     gm.recompile()
     logger.info(
         "prefetch_all_gathers_pass: %d of %d all-gathers issued ahead (%d refused by the budget)",
-        hoisted, len(gathers), refused,
+        hoisted,
+        len(gathers),
+        refused,
     )
     return gm

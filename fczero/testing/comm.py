@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fczero.testing.graphs import COLLECTIVE_OPS
-
 
 _MATMULS = ("mm", "addmm", "bmm")
 
@@ -24,7 +22,11 @@ class CollectiveLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.split("::")[-1]
-        if func.namespace == "_c10d_functional" and name in COLLECTIVE_OPS and name != "wait_tensor":
+        if (
+            func.namespace == "_c10d_functional"
+            and name in COLLECTIVE_OPS
+            and name != "wait_tensor"
+        ):
             self.ops.append(name)
         elif self.matmuls and func.namespace == "aten" and name in _MATMULS:
             self.ops.append(name)

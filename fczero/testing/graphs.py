@@ -25,7 +25,8 @@ def render(gm: torch.fx.GraphModule) -> str:
     # Opaque inputs (the process groups a DTensor carries) are not data; which of them AOT
     # passes through to backward varies with what the process compiled before.
     opaque = [
-        n.name for n in gm.graph.nodes
+        n.name
+        for n in gm.graph.nodes
         if n.op == "placeholder" and not isinstance(n.meta.get("val"), (torch.Tensor, type(None)))
     ]
     lines = []
@@ -57,7 +58,17 @@ def collective_sequence(gm: torch.fx.GraphModule) -> list[str]:
     return seq
 
 
-_VIEW_OPS = {"view", "t", "slice", "reshape", "permute", "transpose", "_unsafe_view", "alias", "detach"}
+_VIEW_OPS = {
+    "view",
+    "t",
+    "slice",
+    "reshape",
+    "permute",
+    "transpose",
+    "_unsafe_view",
+    "alias",
+    "detach",
+}
 
 
 def saved_unsharded(fw_gm: torch.fx.GraphModule, num_user_outputs: int = 1) -> list[str]:

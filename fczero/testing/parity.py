@@ -97,8 +97,9 @@ def train_parallel(
     **options: Any,
 ) -> Trace:
     """One rank of fczero training on its slice of every batch (call inside a process group)."""
-    import fczero
     from torch.distributed.device_mesh import init_device_mesh
+
+    import fczero
 
     torch.manual_seed(seed)
     model = build()
@@ -143,5 +144,9 @@ def assert_close(actual: Trace, expected: Trace, *, rtol: float, atol: float) ->
     )
     for name, value in expected.params.items():
         torch.testing.assert_close(
-            actual.params[name].float(), value.float(), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}"
+            actual.params[name].float(),
+            value.float(),
+            rtol=rtol,
+            atol=atol,
+            msg=lambda m: f"{name}: {m}",
         )
