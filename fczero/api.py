@@ -134,11 +134,14 @@ def _data_parallel_mesh(mesh: DeviceMesh, axis: str | int | None) -> DeviceMesh:
     names = mesh.mesh_dim_names
     if mesh.ndim == 1:
         if axis not in (None, 0) and not (names and axis == names[0]):
-            raise ValueError(f"fczero: axis={axis!r} is not an axis of this 1-d mesh {names}.")
+            raise ValueError(
+                f"fczero: axis={axis!r} is not an axis of this 1-d mesh (axis names: "
+                f"{names or 'none'}); leave axis unset."
+            )
         return mesh
     if axis is None:
         raise ValueError(
-            f"fczero: the mesh has {mesh.ndim} axes {names or ''}; say which one is "
+            f"fczero: the mesh has {mesh.ndim} axes (names: {names or 'none'}); say which one is "
             "data-parallel with parallelize(..., axis=<name or index>)."
         )
     if isinstance(axis, int):
@@ -216,7 +219,8 @@ def _install_passes(mesh: DeviceMesh, options: ShardingOptions) -> None:
 
 
 def _root_pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Cast floating inputs to ``param_dtype`` (as FSDP2 does) and open the eager reshard scope."""
+    """Cast floating inputs to ``param_dtype`` (as FSDP2 does); in eager mode, open the
+    reshard scope (stage 3) and start eager prefetch."""
     options: ShardingOptions = getattr(module, ROOT_ATTR)
     if options.param_dtype is not None:
         args, kwargs = tree_map_only(

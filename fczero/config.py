@@ -36,17 +36,21 @@ class ShardingOptions:
 
     bucket_bytes: int = 128 * 2**20
     """Most bytes (unsharded side) one bucketed all-gather or reduce-scatter may carry.
-    Buckets hold whole model blocks (``layers.3``) while they fit. 0: no bucketing.
+    Buckets hold whole model blocks (``layers.3``) while they fit. 0: no bucketing
+    (and no eager prefetch, whose window is ``prefetch * bucket_bytes``).
     128 MiB (one block of the 953M benchmark model) against 256 MiB measured 2% slower
     with 0.42 GiB less peak memory (docs/benchmarks.md)."""
 
     prefetch: int = 1
-    """How many buckets ahead a compiled graph may issue an all-gather. The memory
-    budget decides, bucket by bucket, whether it does. 0: no prefetch."""
+    """How many buckets ahead a compiled graph may issue an all-gather (the memory
+    budget decides, bucket by bucket, whether it does). In eager mode the gathers
+    within ``prefetch * bucket_bytes`` after the current one are issued early.
+    0: no prefetch, compiled or eager."""
 
     memory_budget: int | None = None
-    """Bytes a compiled graph may hold at its peak (estimated from shapes) once
-    gathers are prefetched. None: 90% of the accelerator's memory, unlimited on CPU."""
+    """Bytes a compiled graph may allocate at its peak beyond its inputs (estimated
+    from shapes) once gathers are prefetched. None: 90% of the accelerator's memory,
+    unlimited on CPU."""
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):

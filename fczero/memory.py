@@ -70,8 +70,12 @@ def storage_root(node: fx.Node) -> fx.Node:
     return node
 
 
-def live_bytes(graph: fx.Graph) -> list[int]:
-    """Bytes alive while each node runs (its inputs and its output), in graph order."""
+def live_bytes(graph: fx.Graph, ignore: set[fx.Node] | frozenset[fx.Node] = frozenset()) -> list[int]:
+    """Bytes alive while each node runs (its inputs and its output), in graph order.
+
+    Nodes in ``ignore`` own no bytes (the passes leave out graph inputs and shard prep,
+    whose sizes differ between ranks when shards are uneven).
+    """
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     end = len(nodes) - 1
@@ -84,7 +88,7 @@ def live_bytes(graph: fx.Graph) -> list[int]:
             last_use[root] = max(last_use.get(root, index[root]), index[user])
     delta = [0] * (len(nodes) + 1)
     for n in nodes:
-        if storage_root(n) is not n:
+        if storage_root(n) is not n or n in ignore:
             continue
         size = nbytes(n)
         if not size:
@@ -100,6 +104,6 @@ def live_bytes(graph: fx.Graph) -> list[int]:
     return out
 
 
-def peak_bytes(graph: fx.Graph) -> int:
-    """The largest number of bytes alive at any node."""
-    return max(live_bytes(graph), default=0)
+def peak_bytes(graph: fx.Graph, ignore: set[fx.Node] | frozenset[fx.Node] = frozenset()) -> int:
+    """The largest number of bytes alive at any node (``ignore`` as in ``live_bytes``)."""
+    return max(live_bytes(graph, ignore), default=0)

@@ -54,8 +54,8 @@ class EagerPrefetch:
             logger.info(
                 "fczero: gather order changed at gather %d; eager prefetch off this step", n
             )
-            self._replaying = False
-            return self._ready.pop(n, None) if n in self._ready else gather(spec, param)
+            self._replaying = False  # what was prefetched belongs to other params: never use it
+            return gather(spec, param)
         full = self._ready.pop(n, None)
         if full is None:
             full = gather(spec, param)

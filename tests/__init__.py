@@ -1,0 +1,1 @@
+"""fczero tests: one file per module; shared models in models.py."""

@@ -20,7 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fczero
-from fczero.memory import live_bytes, peak_bytes
+from fczero.memory import live_bytes
+from fczero.passes.schedule import allocated_peak
 from fczero.passes import PassSettings, run_passes
 from fczero.passes.install import FczeroPostGradPass
 from fczero.testing import backends
@@ -115,12 +116,23 @@ class PassTest(expecttest.TestCase):
         self.assertEqual(len(gathers), len(waits))
 
     def test_budget_decides_how_far_ahead(self):
-        fw, _ = self.graphs()
-        run_passes(fw, settings(prefetch=2, memory_budget=None))
-        unlimited = peak_bytes(fw.graph)
-        fw2, _ = self.graphs()
-        run_passes(fw2, settings(prefetch=2, memory_budget=unlimited - 1))
-        self.assertLess(peak_bytes(fw2.graph), unlimited)
+        def placement(budget):
+            fw, _ = self.graphs()
+            run_passes(fw, settings(prefetch=2, memory_budget=budget))
+            names = [str(n.target) for n in fw.graph.nodes]
+            gathers = [i for i, t in enumerate(names) if "all_gather_into_tensor" in t]
+            matmuls = [i for i, t in enumerate(names) if t == "aten.addmm.default"]
+            return fw, gathers, matmuls
+
+        _, gathers, matmuls = placement(None)
+        self.assertLess(gathers[2], matmuls[0])  # unlimited: two buckets ahead
+        one_ahead, _ = self.graphs()
+        run_passes(one_ahead, settings(prefetch=1))
+        budget = allocated_peak(one_ahead.graph, {"0"})  # what one bucket ahead needs
+        fw, gathers, matmuls = placement(budget)
+        self.assertGreater(gathers[2], matmuls[0])  # the budget holds it to one ahead
+        self.assertLess(gathers[2], matmuls[1])
+        self.assertLessEqual(allocated_peak(fw.graph, {"0"}), budget)
 
     def test_graph_without_fczero_collectives_is_untouched(self):
         def f(x):
@@ -345,20 +357,39 @@ def test_installed_pass_runs_the_users_pass_first(fake_pg):
     assert calls == ["user"]
 
 
-def _sequences(rank: int, world_size: int) -> list[list[str]]:
-    backends.recorded.clear()
-    torch.manual_seed(0)
-    model = fczero.parallelize(UnevenTiedMLP(), init_device_mesh("cpu", (world_size,)))
-    compiled = torch.compile(model, backend=backends.aot_eager_with_passes)
-    compiled(torch.randn(4, 5)).sum().backward()
-    return [collective_sequence(g) for g in backends.recorded]
+BUDGETS = [None, 0, 400, 800, 1200, 1600, 2000, 3000, 4000]  # bytes; tight ones split ranks before
 
 
-@pytest.mark.parametrize("world_size", [4])
-def test_every_rank_issues_the_same_collectives(world_size):
-    """13 rows on 4 ranks: shards differ in real rows (4, 4, 4, 1), collectives must not."""
-    per_rank = run_on_ranks(_sequences, world_size)
-    assert per_rank[0] and all(seq for seq in per_rank[0])
+def _sequences(rank: int, world_size: int) -> list[list[list[str]]]:
+    out = []
+    for budget in BUDGETS:
+        torch._dynamo.reset()
+        backends.recorded.clear()
+        torch.manual_seed(0)
+        model = fczero.parallelize(
+            UnevenTiedMLP(), init_device_mesh("cpu", (world_size,)), bucket_bytes=0, memory_budget=budget
+        )
+        compiled = torch.compile(model, backend=backends.aot_eager_with_passes)
+        compiled(torch.randn(4, 5)).sum().backward()
+        out.append([_order(g) for g in backends.recorded])
+    return out
+
+
+def _order(gm: torch.fx.GraphModule) -> list[str]:
+    """Collectives and matmuls in program order: where each gather was placed."""
+    keep = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "mm", "addmm")
+    return [
+        f"{n.target}{list(n.meta['val'].shape)}"
+        for n in gm.graph.nodes
+        if n.op == "call_function" and str(n.target).split(".")[1] in keep
+    ]
+
+
+def test_every_rank_issues_the_same_collectives():
+    """13 rows on 4 ranks: shards differ in real rows (4, 4, 4, 1); under any memory budget
+    the collectives, and where they sit among the matmuls, must not."""
+    per_rank = run_on_ranks(_sequences, 4)
+    assert all(graphs for graphs in per_rank[0])
     for other in per_rank[1:]:
         assert other == per_rank[0]
 

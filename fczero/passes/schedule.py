@@ -13,8 +13,10 @@ or before the first user of its result:
 
 ``prefetch_all_gathers_pass`` moves the issue group of bucket i up to just before
 the first compute of bucket i-1 (up to ``prefetch`` buckets ahead), if the memory
-model says the graph stays within ``memory_budget`` with the gathered bucket alive
-that much longer; otherwise the bucket is gathered where it is used:
+model says the bytes the graph allocates (inputs and shard prep left out, as they
+differ between ranks when shards are uneven) stay within ``memory_budget`` with the
+gathered bucket alive that much longer; otherwise the bucket is gathered where it
+is used:
 
     w0 = wait(ag0); mm(a, w0); ag1 = all_gather(x1); w1 = wait(ag1); mm(b, w1)
  -> w0 = wait(ag0); ag1 = all_gather(x1); mm(a, w0); w1 = wait(ag1); mm(b, w1)
@@ -28,12 +30,13 @@ import logging
 
 import torch.fx as fx
 
-from fczero.memory import live_bytes, nbytes, op_name
+from fczero.memory import live_bytes, nbytes, op_name, peak_bytes
 from fczero.passes.graph_utils import move_before, position
 from fczero.passes.matching import find_gathers, find_reduces
 
 logger = logging.getLogger("fczero")
 
+_WARNED_BUDGETS: set[int | None] = set()
 _COPY_OUT = {"view", "slice", "clone", "_unsafe_view", "alias"}
 _REDUCE_TAIL = _COPY_OUT | {"div", "_to_copy", "convert_element_type"}
 
@@ -88,6 +91,19 @@ def _issue_group(c) -> list[fx.Node]:
     return [*c.prep, c.node]
 
 
+def rank_dependent_nodes(graph: fx.Graph, groups: set[str]) -> set[fx.Node]:
+    """Graph inputs and shard prep: their sizes differ between ranks when shards are
+    uneven, so the memory model leaves them out and every rank decides the same."""
+    nodes = {n for n in graph.nodes if n.op == "placeholder"}
+    nodes.update(n for g in find_gathers(graph, groups) for n in g.prep)
+    return nodes
+
+
+def allocated_peak(graph: fx.Graph, groups: set[str]) -> int:
+    """What ``memory_budget`` is compared with: the graph's peak, rank-dependent nodes left out."""
+    return peak_bytes(graph, rank_dependent_nodes(graph, groups))
+
+
 def prefetch_all_gathers_pass(
     gm: fx.GraphModule, groups: set[str], prefetch: int, memory_budget: int | None
 ) -> fx.GraphModule:
@@ -95,26 +111,31 @@ def prefetch_all_gathers_pass(
     gathers = find_gathers(graph, groups)
     if prefetch <= 0 or len(gathers) < 2:
         return gm
+    rank_dependent = rank_dependent_nodes(graph, groups)
     # where each bucket's compute starts: the first user of its copy-out group
     starts = [_first_outside_user(_tail(g.wait, _COPY_OUT)) for g in gathers]
     hoisted = refused = 0
     for i in range(1, len(gathers)):
         group = _issue_group(gathers[i])
-        added = nbytes(gathers[i].node) + nbytes(gathers[i].input)
+        gathered = nbytes(gathers[i].node)
         for depth in range(min(prefetch, i), 0, -1):
             anchor = starts[i - depth]
             pos = position(graph)
             if pos[anchor] >= pos[group[0]]:
                 break  # already issued at least that early
-            live = live_bytes(graph)
-            peak = max(live[pos[anchor] : pos[gathers[i].node] + 1])
-            if memory_budget is None or peak + added <= memory_budget:
+            live = live_bytes(graph, rank_dependent)
+            # the gathered bucket is alive from the anchor on (its input is shard prep,
+            # which the model leaves out like every rank-dependent node)
+            start, stop = pos[anchor], pos[gathers[i].node]
+            peak = max(live[start:stop]) + gathered
+            if memory_budget is None or peak <= memory_budget:
                 move_before([n for n in group if pos[n] > pos[anchor]], anchor)
                 hoisted += 1
                 break
         else:
             refused += 1
-    if hoisted == 0 and refused:
+    if hoisted == 0 and refused and memory_budget not in _WARNED_BUDGETS:
+        _WARNED_BUDGETS.add(memory_budget)  # once per budget, not once per graph
         logger.warning(
             "fczero: memory_budget=%s bytes is too small to prefetch any all-gather; "
             "gathering each bucket where it is used",
