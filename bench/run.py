@@ -28,6 +28,7 @@ for _key, _value in (
 import argparse
 import datetime
 import gc
+import json
 import logging
 import subprocess
 import sys
@@ -172,6 +173,22 @@ def make_batches(args, cfg: LlamaConfig, batch: int, seq: int, device: torch.dev
     return [t[rank * batch : (rank + 1) * batch].to(device) for t in tokens]
 
 
+def gather_json(obj: object, group: dist.ProcessGroup) -> list:
+    """Every rank's JSON-able ``obj``, in rank order, through tensor collectives.
+
+    ``all_gather_object`` would do, but it needs numpy, which torch does not require.
+    """
+    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([data.numel()]), group=group)
+    longest = max(int(n) for n in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    chunks = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(chunks, padded, group=group)
+    return [json.loads(bytes(c[: int(n)].tolist())) for c, n in zip(chunks, sizes)]
+
+
 _ABORTING = threading.Lock()
 
 
@@ -250,7 +267,7 @@ def run_arm(spec: ArmSpec, ctx: ArmContext, regime: str, args, batches, ctrl, ba
         # stuck in the arm's collectives never does, and the watchdog ends the run.
         outcomes: list = [None] * world
         try:
-            dist.all_gather_object(outcomes, (state["error"], result), group=ctrl)
+            outcomes = gather_json([state["error"], result], ctrl)
         except Exception as e:  # noqa: BLE001 - another rank died: nothing to agree with
             own = f"{state['error']}; then " if state["error"] else ""
             abort(args.out, record, f"{own}lost the other ranks: {type(e).__name__}: {e}", 1)
@@ -360,8 +377,9 @@ def worker(args: argparse.Namespace) -> int:
         logger.info(
             "arms %s; regimes %s; %d ranks on %s", [a.name for a in arms], plan, world, device
         )
-    run_id = [datetime.datetime.now().strftime("%Y%m%d-%H%M%S-") + str(os.getpid())]
-    dist.broadcast_object_list(run_id, src=0, group=ctrl)
+    run_id = gather_json(
+        datetime.datetime.now().strftime("%Y%m%d-%H%M%S-") + str(os.getpid()), ctrl
+    )
     base = {
         "run_id": run_id[0], "world_size": world, "steps": args.steps, "warmup": args.warmup, "lr": args.lr,
         "seed": args.seed, "n_check": args.warmup + args.steps, "loss_rtol": args.loss_rtol,
