@@ -140,31 +140,23 @@ def _merge_gathers(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None
         )
         wait = insert(graph, fake_mode, c10d.wait_tensor.default, (ag,), like=first)
         table = insert(graph, fake_mode, aten.view.default, (wait, [world, sum(sizes)]), like=first)
-        offset = 0
+        pieces, offset = [], 0
         for c, n in zip(bucket, sizes):
             column = insert(
                 graph, fake_mode, aten.slice.Tensor, (table, 1, offset, offset + n), like=c.node
             )
-            dense = insert(
-                graph,
-                fake_mode,
-                aten.clone.default,
-                (column,),
-                {"memory_format": torch.contiguous_format},
-                like=c.node,
+            pieces.append(
+                insert(
+                    graph,
+                    fake_mode,
+                    aten.clone.default,
+                    (column,),
+                    {"memory_format": torch.contiguous_format},
+                    like=c.node,
+                )
             )
-            out = insert(
-                graph,
-                fake_mode,
-                aten.view.default,
-                (dense, list(c.wait.meta["val"].shape)),
-                like=c.node,
-            )
-            c.wait.replace_all_uses_with(out)
             offset += n
-    for c in bucket:
-        graph.erase_node(c.wait)
-        graph.erase_node(c.node)
+        _hand_out(graph, fake_mode, bucket, pieces)
 
 
 def _merge_reduces(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None:
@@ -187,20 +179,21 @@ def _merge_reduces(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None
             like=last,
         )
         wait = insert(graph, fake_mode, c10d.wait_tensor.default, (rs,), like=last)
-        offset = 0
-        for c, n in zip(bucket, sizes):
-            piece = insert(
-                graph, fake_mode, aten.slice.Tensor, (wait, 0, offset, offset + n), like=c.node
-            )
-            out = insert(
-                graph,
-                fake_mode,
-                aten.view.default,
-                (piece, list(c.wait.meta["val"].shape)),
-                like=c.node,
-            )
-            c.wait.replace_all_uses_with(out)
-            offset += n
+        offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        pieces = [
+            insert(graph, fake_mode, aten.slice.Tensor, (wait, 0, a, b), like=c.node)
+            for c, a, b in zip(bucket, offsets, offsets[1:])
+        ]
+        _hand_out(graph, fake_mode, bucket, pieces)
+
+
+def _hand_out(graph: fx.Graph, fake_mode, bucket: list[Collective], pieces: list[fx.Node]) -> None:
+    """Give each member's users its piece of the bucket (viewed to the member's shape),
+    then drop the member's own collective and wait."""
+    for c, piece in zip(bucket, pieces):
+        shape = list(c.wait.meta["val"].shape)
+        out = insert(graph, fake_mode, aten.view.default, (piece, shape), like=c.node)
+        c.wait.replace_all_uses_with(out)
     for c in bucket:
         graph.erase_node(c.wait)
         graph.erase_node(c.node)
