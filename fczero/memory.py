@@ -70,7 +70,9 @@ def storage_root(node: fx.Node) -> fx.Node:
     return node
 
 
-def live_bytes(graph: fx.Graph, ignore: set[fx.Node] | frozenset[fx.Node] = frozenset()) -> list[int]:
+def live_bytes(
+    graph: fx.Graph, ignore: set[fx.Node] | frozenset[fx.Node] = frozenset()
+) -> list[int]:
     """Bytes alive while each node runs (its inputs and its output), in graph order.
 
     Nodes in ``ignore`` own no bytes (the passes leave out graph inputs and shard prep,

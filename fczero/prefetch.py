@@ -64,17 +64,21 @@ class EagerPrefetch:
 
     def _issue_ahead(self, n: int, gather: Gather) -> None:
         """Issue the gathers after the n-th while they fit in the window (at least one)."""
-        ahead = sum(_nbytes(t) for i, t in self._ready.items() if i > n)
+        ahead = sum(self._bytes(i) for i in self._ready if i > n)
         j = max(self._issued, n + 1)
         while j < len(self.order):
             spec, param = self.order[j]
-            size = spec.unsharded_bytes(param)
+            size = self._bytes(j)
             if ahead and ahead + size > self.window:
                 break
             self._ready[j] = gather(spec, param)
             ahead += size
             j += 1
         self._issued = j
+
+    def _bytes(self, i: int) -> int:
+        spec, param = self.order[i]
+        return spec.unsharded_bytes(param)
 
     def finish(self) -> None:
         """End of forward: keep the order seen; wait for (and drop) unused prefetches."""
@@ -84,10 +88,6 @@ class EagerPrefetch:
             if isinstance(full, AsyncCollectiveTensor):
                 full.wait()
         self._ready, self._seen, self._replaying = {}, [], False
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 active: EagerPrefetch | None = None

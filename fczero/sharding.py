@@ -100,8 +100,10 @@ class ShardSpec:
     def gather_for_backward(self, param: torch.Tensor) -> torch.Tensor:
         """Eager stage 3: gather again, without autograd, for a saved-tensor unpack."""
         with torch.no_grad():
-            local = param.to_local() if isinstance(param, DTensor) else param
-            full = self._gather(local)
+            # A plain ``to_local()``: this runs inside a saved-tensor unpack hook on the
+            # autograd engine's thread, and passing ``grad_placements`` there (as ``_local``
+            # does) went with rank crashes (SIGSEGV/SIGABRT) in 3 of 6 full suite runs.
+            full = self._gather(param.to_local() if isinstance(param, DTensor) else param)
         return full.wait() if hasattr(full, "wait") else full
 
 

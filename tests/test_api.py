@@ -65,7 +65,9 @@ def _assert_untouched(model: nn.Module) -> None:
 def test_multi_axis_mesh_needs_axis(fake_pg):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "shard"))
     model = TwoLayer()
-    with pytest.raises(ValueError, match=r"mesh has 2 axes \(names: .*\); say which one is data-parallel"):
+    with pytest.raises(
+        ValueError, match=r"mesh has 2 axes \(names: .*\); say which one is data-parallel"
+    ):
         fczero.parallelize(model, mesh)
     _assert_untouched(model)
     with pytest.raises(ValueError, match=r"axis='dp' is not one of the mesh's axes"):

@@ -11,7 +11,6 @@ import logging
 import unittest
 
 import expecttest
-import pytest
 import torch
 import torch.distributed as dist
 from torch._dynamo.testing import AotEagerAndRecordGraphs
@@ -367,7 +366,10 @@ def _sequences(rank: int, world_size: int) -> list[list[list[str]]]:
         backends.recorded.clear()
         torch.manual_seed(0)
         model = fczero.parallelize(
-            UnevenTiedMLP(), init_device_mesh("cpu", (world_size,)), bucket_bytes=0, memory_budget=budget
+            UnevenTiedMLP(),
+            init_device_mesh("cpu", (world_size,)),
+            bucket_bytes=0,
+            memory_budget=budget,
         )
         compiled = torch.compile(model, backend=backends.aot_eager_with_passes)
         compiled(torch.randn(4, 5)).sum().backward()

@@ -12,6 +12,8 @@ import re
 
 import torch
 
+from fczero.memory import op_name, storage_root
+
 COLLECTIVE_OPS = (
     "all_gather_into_tensor",
     "reduce_scatter_tensor",
@@ -50,7 +52,7 @@ def collective_sequence(gm: torch.fx.GraphModule) -> list[str]:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        name = op_name(node)
         if name in COLLECTIVE_OPS:
             val = node.meta.get("val")
             shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
@@ -58,38 +60,18 @@ def collective_sequence(gm: torch.fx.GraphModule) -> list[str]:
     return seq
 
 
-_VIEW_OPS = {
-    "view",
-    "t",
-    "slice",
-    "reshape",
-    "permute",
-    "transpose",
-    "_unsafe_view",
-    "alias",
-    "detach",
-}
-
-
 def saved_unsharded(fw_gm: torch.fx.GraphModule, num_user_outputs: int = 1) -> list[str]:
     """Names of forward outputs saved for backward that are (views of) gathered params.
 
     AOT's forward graph returns the user outputs first, then what backward needs. A
-    saved value that traces back through views to a ``wait_tensor`` of an all-gather
-    is an unsharded param kept alive from forward to backward (stage-2 memory).
+    saved value whose storage is an all-gather's output (``memory.storage_root`` sees
+    through views and ``wait_tensor``) is an unsharded param kept alive from forward to
+    backward (stage-2 memory).
     """
     output = next(n for n in fw_gm.graph.nodes if n.op == "output")
     saved = [a for a in output.args[0][num_user_outputs:] if isinstance(a, torch.fx.Node)]
-    found = []
-    for node in saved:
-        cur = node
-        while cur.op == "call_function" and _op_name(cur) in _VIEW_OPS:
-            cur = cur.args[0]
-        if cur.op == "call_function" and _op_name(cur) == "wait_tensor":
-            if _op_name(cur.args[0]) == "all_gather_into_tensor":
-                found.append(node.name)
-    return found
-
-
-def _op_name(node: torch.fx.Node) -> str:
-    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    return [
+        node.name
+        for node in saved
+        if node.op == "call_function" and op_name(storage_root(node)) == "all_gather_into_tensor"
+    ]
