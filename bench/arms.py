@@ -168,13 +168,21 @@ def build_ddp(ctx: ArmContext) -> Arm:
     return Arm(step=train_step(ddp, opt), keep=[ddp, root, opt])
 
 
-def _fczero(ctx: ArmContext, *, compiled: bool, **options: object) -> Arm:
+def _fczero(
+    ctx: ArmContext,
+    *,
+    compiled: bool,
+    inductor_options: dict[str, object] | None = None,
+    **options: object,
+) -> Arm:
     import fczero
 
     root = LossModule(build_model(ctx))
     fczero.parallelize(root, ctx.mesh, param_dtype=BF16, reduce_dtype=torch.float32, **options)
     opt = adamw(root.parameters(), ctx)
-    module = torch.compile(root, backend=ctx.compile_backend) if compiled else root
+    module = root
+    if compiled:
+        module = torch.compile(root, backend=ctx.compile_backend, options=inductor_options)
     return Arm(step=train_step(module, opt), keep=[root, module, opt])
 
 
@@ -193,6 +201,61 @@ def build_fczero_compiled_no_passes(ctx: ArmContext) -> Arm:
 def build_fczero_compiled_two_blocks(ctx: ArmContext) -> Arm:
     """256 MiB buckets (two benchmark blocks each), against the default 128 MiB (one block)."""
     return _fczero(ctx, compiled=True, bucket_bytes=256 * 2**20)
+
+
+def build_fczero_keep_all(ctx: ArmContext) -> Arm:
+    """No resharding after forward: every unsharded param lives until backward."""
+    return _fczero(ctx, compiled=True, reshard_after_forward=False)
+
+
+def build_fczero_unshard_512mib(ctx: ArmContext) -> Arm:
+    """Selective unsharding: the last blocks (head, norm, about three decoder blocks of the
+    benchmark model) stay gathered from forward to backward."""
+    return _fczero(ctx, compiled=True, unsharded_budget=512 * 2**20)
+
+
+_OVERLAP = "aten_distributed_optimizations.enable_overlap_scheduling"
+
+
+def _inductor_overlap_options() -> dict[str, object]:
+    """Inductor's own overlap scheduler (GPU only; it also buckets), if this torch has it."""
+    group = getattr(torch._inductor.config, "aten_distributed_optimizations", None)
+    if group is None or not hasattr(group, "enable_overlap_scheduling"):
+        raise RuntimeError(
+            f"this torch ({torch.__version__}) has no inductor config {_OVERLAP!r}; "
+            "the Inductor-overlap arms need a newer torch."
+        )
+    return {_OVERLAP: True}
+
+
+def build_fczero_inductor_overlap(ctx: ArmContext) -> Arm:
+    """fczero's passes off; Inductor's overlap scheduler buckets and reorders instead."""
+    return _fczero(
+        ctx, compiled=True, compile_passes=False, inductor_options=_inductor_overlap_options()
+    )
+
+
+def build_fczero_symm_mem(ctx: ArmContext) -> Arm:
+    """fczero's passes, then every bucket's collective swapped for Inductor's copy-engine
+    symmetric-memory variant (``enable_low_contention_collectives``; item 6 of issue 4)."""
+    group = getattr(torch._inductor.config, "aten_distributed_optimizations", None)
+    if group is None or not hasattr(group, "enable_low_contention_collectives"):
+        raise RuntimeError(
+            f"this torch ({torch.__version__}) has no Inductor low-contention collectives; "
+            "the symmetric-memory arm needs a newer torch."
+        )
+    prefix = "aten_distributed_optimizations."
+    options = {
+        prefix + "enable_low_contention_collectives": True,
+        prefix + "low_contention_skip_overlap_check": True,
+        prefix + "low_contention_min_bytes_per_rank": 0,
+    }
+    return _fczero(ctx, compiled=True, inductor_options=options)
+
+
+def build_fczero_passes_then_overlap(ctx: ArmContext) -> Arm:
+    """fczero's passes, then Inductor's overlap scheduler (it runs after custom post-grad passes)."""
+    return _fczero(ctx, compiled=True, inductor_options=_inductor_overlap_options())
 
 
 def deepspeed_config(batch: int, *, deepcompile: bool) -> dict[str, object]:
@@ -290,6 +353,31 @@ ARMS: dict[str, ArmSpec] = {
             build=build_fczero_compiled_two_blocks,
         ),
         ArmSpec(
+            name="fczero-unshard-512mib",
+            label="fczero compiled, 512 MiB kept unsharded",
+            build=build_fczero_unshard_512mib,
+        ),
+        ArmSpec(
+            name="fczero-keep-all",
+            label="fczero compiled, no reshard after forward",
+            build=build_fczero_keep_all,
+        ),
+        ArmSpec(
+            name="fczero-inductor-overlap",
+            label="fczero compiled, Inductor overlap scheduler instead of passes",
+            build=build_fczero_inductor_overlap,
+        ),
+        ArmSpec(
+            name="fczero-passes+overlap",
+            label="fczero compiled, passes then Inductor overlap scheduler",
+            build=build_fczero_passes_then_overlap,
+        ),
+        ArmSpec(
+            name="fczero-symm-mem",
+            label="fczero compiled, symmetric-memory (copy engine) collectives",
+            build=build_fczero_symm_mem,
+        ),
+        ArmSpec(
             name="deepspeed-zero3",
             label="DeepSpeed ZeRO-3 (bf16, overlap_comm)",
             build=build_deepspeed_zero3,
@@ -304,11 +392,15 @@ ARMS: dict[str, ArmSpec] = {
 }
 """Every arm, in the order they run: the floor first (ratios), FSDP2 eager next (loss reference)."""
 
+_OVERLAP_ARMS = ["fczero-inductor-overlap", "fczero-passes+overlap", "fczero-symm-mem"]
+
 GROUPS: dict[str, list[str]] = {
     "all": list(ARMS),
-    "core": [name for name in ARMS if not name.startswith("deepspeed")],
+    "core": [n for n in ARMS if not n.startswith("deepspeed") and n not in _OVERLAP_ARMS],
     "deepspeed": [name for name in ARMS if name.startswith("deepspeed")],
     "fczero": ["fczero-eager", "fczero-nopasses", "fczero-compiled", "fczero-256mib"],
+    "unshard": ["fczero-unshard-512mib", "fczero-keep-all"],
+    "overlap": _OVERLAP_ARMS,
     "fsdp2": ["fsdp2-eager", "fsdp2-compiled"],
 }
 """Names ``--arms`` accepts besides single arms."""

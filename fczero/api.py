@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from functools import partial
 
@@ -13,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from fczero import prefetch as eager_prefetch
-from fczero import resharding
+from fczero import resharding, unsharding
 from fczero.config import ShardingOptions
 from fczero.passes import registry
 from fczero.passes.install import install
@@ -44,6 +45,7 @@ def parallelize(
     bucket_bytes: int = 128 * 2**20,
     prefetch: int = 1,
     memory_budget: int | None = None,
+    unsharded_budget: int = 0,
     **unknown: object,
 ) -> nn.Module:
     """Shard every parameter of ``model`` over ``mesh`` (ZeRO stage 3), in place.
@@ -64,7 +66,7 @@ def parallelize(
         mesh: a ``DeviceMesh``; with more than one axis, name the data-parallel one
             with ``axis``.
         param_dtype, reduce_dtype, reshard_after_forward, axis, compile_passes,
-        bucket_bytes, prefetch, memory_budget: see :class:`fczero.ShardingOptions`
+        bucket_bytes, prefetch, memory_budget, unsharded_budget: see :class:`fczero.ShardingOptions`
             (one docstring per field).
 
     Returns:
@@ -83,16 +85,24 @@ def parallelize(
         bucket_bytes=bucket_bytes,
         prefetch=prefetch,
         memory_budget=memory_budget,
+        unsharded_budget=unsharded_budget,
         **unknown,
     )
     dp_mesh = _data_parallel_mesh(mesh, options.axis)
     owners = _validate_model(model)
 
     specs_by_param: dict[int, tuple[nn.Parameter, ShardSpec]] = {}
-    wiring: dict[nn.Module, dict[str, ShardSpec]] = {}
-    for module, name, param in owners:
+    first_owner: list[tuple[str, torch.Tensor, ShardSpec]] = []
+    for path, _, _, param in owners:
         if id(param) not in specs_by_param:  # a param shared by several modules is sharded once
             specs_by_param[id(param)] = shard_tensor(param, dp_mesh, options, param.requires_grad)
+            first_owner.append((path, param, specs_by_param[id(param)][1]))
+    if options.reshard_after_forward:
+        for key in unsharding.plan_kept_params(first_owner, options.unsharded_budget):
+            sharded, spec = specs_by_param[key]
+            specs_by_param[key] = sharded, dataclasses.replace(spec, keep_unsharded=True)
+    wiring: dict[nn.Module, dict[str, ShardSpec]] = {}
+    for _, module, name, param in owners:
         sharded, spec = specs_by_param[id(param)]
         module._parameters[name] = sharded
         wiring.setdefault(module, {})[name] = spec
@@ -163,8 +173,9 @@ def _data_parallel_mesh(mesh: DeviceMesh, axis: str | int | None) -> DeviceMesh:
     return mesh[axis]
 
 
-def _validate_model(model: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """Every (module, name, param) triple, after checking that fczero can shard them all."""
+def _validate_model(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
+    """Every (module path, module, name, param), in registration order, after checking
+    that fczero can shard them all."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fczero.parallelize needs an nn.Module, got {type(model).__name__}.")
     if is_parallelized(model):
@@ -195,7 +206,7 @@ def _validate_model(model: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter
                     f"fczero: parameter {qualified!r} is on the meta device; materialize the "
                     "model (e.g. model.to_empty(device=...) and initialize) before parallelize."
                 )
-            owners.append((module, name, param))
+            owners.append((module_name, module, name, param))
     return owners
 
 

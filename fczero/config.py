@@ -52,6 +52,13 @@ class ShardingOptions:
     from shapes) once gathers are prefetched. None: 90% of the accelerator's memory,
     unlimited on CPU."""
 
+    unsharded_budget: int = 0
+    """Bytes of unsharded params that may stay gathered from forward to backward
+    (selective unsharding, see ``fczero/unsharding.py``): whole blocks, from the one
+    forward runs last, while they fit. They skip the backward all-gather and cost their
+    unsharded size for the whole step. 0: pure stage 3. Ignored when
+    ``reshard_after_forward=False``, which keeps everything."""
+
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
@@ -72,7 +79,7 @@ class ShardingOptions:
                 "fczero: reshard_after_forward must be True (stage 3: free after forward) or "
                 f"False (keep for backward), got {self.reshard_after_forward!r}."
             )
-        for name in ("bucket_bytes", "prefetch", "memory_budget"):
+        for name in ("bucket_bytes", "prefetch", "memory_budget", "unsharded_budget"):
             value = getattr(self, name)
             if value is None and name == "memory_budget":
                 continue

@@ -56,6 +56,7 @@ class ShardSpec:
     group_size: int
     group_name: str
     options: ShardingOptions
+    keep_unsharded: bool = False  # selective unsharding: see fczero/unsharding.py
 
     @property
     def is_scalar(self) -> bool:
@@ -74,7 +75,7 @@ class ShardSpec:
                 _local(param), self.group_size, self.group_name, opts.param_dtype, opts.reduce_dtype
             )
         if torch.compiler.is_compiling():
-            if not opts.reshard_after_forward:
+            if not opts.reshard_after_forward or self.keep_unsharded:
                 return self._gather(_local(param))
             # Stage 3 under compile: the partitioner must recompute the gather chain in
             # backward rather than save the unsharded param for it.
@@ -99,10 +100,7 @@ class ShardSpec:
 
     def gather_for_backward(self, param: torch.Tensor) -> torch.Tensor:
         """Eager stage 3: gather again, without autograd, for a saved-tensor unpack."""
-        with torch.no_grad():
-            # A plain ``to_local()``: this runs inside a saved-tensor unpack hook on the
-            # autograd engine's thread, and passing ``grad_placements`` there (as ``_local``
-            # does) went with rank crashes (SIGSEGV/SIGABRT) in 3 of 6 full suite runs.
+        with torch.no_grad():  # the regather is not differentiated: no grad link needed
             full = self._gather(param.to_local() if isinstance(param, DTensor) else param)
         return full.wait() if hasattr(full, "wait") else full
 
@@ -115,7 +113,8 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 def _eager_gather(spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
     """The eager gather of a sharded param (stage 3: recorded so that saving it packs a recipe)."""
     full = spec._gather(_local(param))
-    resharding.register_gathered(full, spec, param)
+    if not spec.keep_unsharded:
+        resharding.register_gathered(full, spec, param)
     return full
 
 

@@ -147,9 +147,10 @@ def test_exposed_comm_from_trace_events() -> None:
 
 
 def test_select_arms() -> None:
+    assert "fczero-symm-mem" not in [a.name for a in select_arms("core")]
     assert [a.name for a in select_arms("all")] == list(ARMS)
     assert [a.name for a in select_arms("fczero-eager,floor")] == ["floor", "fczero-eager"]
-    core = [a.name for a in select_arms("all", skip="deepspeed,ddp")]
+    core = [a.name for a in select_arms("all", skip="deepspeed,ddp,unshard,overlap")]
     assert core == [
         "floor",
         "fsdp2-eager",

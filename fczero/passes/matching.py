@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from fczero.memory import nbytes, op_name
+from fczero.unsharding import block_of
 
 # Ops allowed between a graph input and the all-gather of a gather.
 _SHARD_PREP = {
@@ -115,9 +116,6 @@ def find_reduces(graph: fx.Graph, groups: set[str]) -> list[Collective]:
     return found
 
 
-_INDEXED = re.compile(r"^(.*?\.\d+)(\.|$)")
-
-
 def block_key(node: fx.Node) -> str:
     """The model block a node runs in, from its module stack: ``layers.3`` for anything
     under ``layers.3.attn``; the top-level child (``embed``) outside indexed containers."""
@@ -127,7 +125,4 @@ def block_key(node: fx.Node) -> str:
     path = list(stack.values())[-1][0]
     path = re.sub(r"^L\['self'\]\.?", "", str(path))
     path = re.sub(r"\[(\d+)\]", r".\1", path)  # layers[3] -> layers.3
-    match = _INDEXED.match(path)
-    if match:
-        return match.group(1)
-    return path.split(".")[0]
+    return block_of(path)

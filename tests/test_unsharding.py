@@ -1,0 +1,119 @@
+"""Selective unsharding (``unsharded_budget``): which blocks stay gathered, and that they
+then skip the backward all-gather, eager and compiled, with unchanged numerics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import AotEagerAndRecordGraphs
+from torch.distributed.device_mesh import init_device_mesh
+
+import fczero
+from fczero.testing import parity
+from fczero.testing.comm import CollectiveLog
+from fczero.testing.distributed import run_on_ranks
+from fczero.testing.graphs import collective_sequence, saved_unsharded
+from fczero.unsharding import block_of
+from tests.models import ThreeBlocks, block_batches
+
+BLOCK = (512 * 512 + 512) * 4  # one ThreeBlocks block (weight + bias), fp32
+HEAD = 512 * 8 * 4
+
+
+def _kept(model: torch.nn.Module) -> list[str]:
+    return [
+        f"{path}.{name}" if path else name
+        for path, module in model.named_modules()
+        for name, spec in getattr(module, "_fczero_specs", {}).items()
+        if spec.keep_unsharded
+    ]
+
+
+def test_block_of_groups_indexed_containers():
+    assert block_of("layers.3.attn.wq") == "layers.3"
+    assert block_of("layers.12") == "layers.12"
+    assert block_of("embed") == "embed"
+    assert block_of("") == ""
+
+
+@pytest.mark.parametrize(
+    ("budget", "kept"),
+    [
+        (0, []),
+        (HEAD - 1, []),  # the last block (the head) does not fit: nothing after it is kept
+        (HEAD, ["head.weight"]),
+        (HEAD + BLOCK - 1, ["head.weight"]),
+        (HEAD + BLOCK, ["blocks.2.weight", "blocks.2.bias", "head.weight"]),
+        (10 * BLOCK, [f"blocks.{i}.{n}" for i in range(3) for n in ("weight", "bias")] + ["head.weight"]),
+    ],
+)
+def test_whole_blocks_are_kept_from_the_last_one_back(fake_pg, budget, kept):
+    model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), unsharded_budget=budget)
+    assert sorted(_kept(model)) == sorted(kept)
+
+
+def test_no_selective_unsharding_without_resharding(fake_pg):
+    model = fczero.parallelize(
+        ThreeBlocks(), init_device_mesh("cpu", (2,)), reshard_after_forward=False, unsharded_budget=10**9
+    )
+    assert _kept(model) == []  # everything is kept anyway
+
+
+def test_bad_budget_is_refused_before_anything_changes(fake_pg):
+    model = ThreeBlocks()
+    with pytest.raises(ValueError, match="unsharded_budget=-1 is negative"):
+        fczero.parallelize(model, init_device_mesh("cpu", (2,)), unsharded_budget=-1)
+    with pytest.raises(TypeError, match="unsharded_budget must be an int"):
+        fczero.parallelize(model, init_device_mesh("cpu", (2,)), unsharded_budget="1GB")
+    assert not fczero.is_parallelized(model)
+
+
+def test_eager_backward_regathers_only_what_is_not_kept(fake_pg):
+    model = fczero.parallelize(
+        ThreeBlocks(), init_device_mesh("cpu", (2,)), unsharded_budget=HEAD + BLOCK
+    )
+    loss = model(torch.randn(4, 512, requires_grad=True)).sum()
+    with CollectiveLog() as bwd:
+        loss.backward()
+    # backward needs every weight for input grads; kept: blocks.2 and the head
+    assert bwd.count("all_gather_into_tensor") == 2
+    assert bwd.count("reduce_scatter_tensor") == 7
+
+
+def test_compiled_forward_saves_the_kept_params_for_backward(fake_pg):
+    model = fczero.parallelize(
+        ThreeBlocks(),
+        init_device_mesh("cpu", (2,)),
+        unsharded_budget=HEAD + BLOCK,
+        compile_passes=False,
+    )
+    backend = AotEagerAndRecordGraphs()
+    x = torch.randn(4, 512, requires_grad=True)  # every weight is needed in backward
+    torch.compile(model, backend=backend, fullgraph=True)(x).sum().backward()
+    fw, bw = backend.fw_graphs[0], backend.bw_graphs[0]
+    assert len(saved_unsharded(fw)) == 2  # blocks.2.weight and head.weight (matmul operands)
+    regathered = [op for op in collective_sequence(bw) if op.startswith("all_gather")]
+    assert regathered == ["all_gather_into_tensor[512, 512]"] * 2  # blocks.0 and blocks.1
+
+
+def _train(rank: int, world_size: int, backend: str | None) -> parity.Trace:
+    return parity.train_parallel(
+        rank,
+        world_size,
+        ThreeBlocks,
+        block_batches(steps=3),
+        parity.mse,
+        compile_backend=backend,
+        unsharded_budget=HEAD + BLOCK,
+    )
+
+
+def _eager_and_compiled(rank: int, world_size: int) -> list[parity.Trace]:
+    return [_train(rank, world_size, None), _train(rank, world_size, "aot_eager")]
+
+
+def test_numerics_match_the_reference_eager_and_compiled():
+    eager, compiled = run_on_ranks(_eager_and_compiled, 2)[0]
+    expected = parity.train_reference(ThreeBlocks, block_batches(steps=3), parity.mse)
+    parity.assert_close(eager, expected, rtol=1e-5, atol=1e-6)
+    parity.assert_close(compiled, expected, rtol=1e-5, atol=1e-6)
