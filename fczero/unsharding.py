@@ -8,9 +8,10 @@ hide behind. Keeping those params from forward to backward removes both the expo
 wait and a quarter of a step's traffic (forward gather, backward gather, reduce),
 at the cost of their unsharded bytes for the length of the step.
 
-``plan_kept_params`` spends ``unsharded_budget`` bytes on whole blocks (``layers.15``:
-the same grouping the bucketing pass uses), starting from the block that forward
-reaches last and walking back. A block that does not fit ends the walk, so what is
+``plan_kept_params`` spends ``unsharded_budget`` bytes on whole blocks (``layers.15``,
+or a module outside indexed containers, such as ``model.output``, on its own), starting
+from the block registered last (forward reaches it last in sequential models) and
+walking back. A block that does not fit ends the walk, so what is
 kept is always a suffix of the model. Shapes, dtypes and module names are the same on
 every rank, so every rank keeps the same params and issues the same collectives.
 
@@ -55,7 +56,10 @@ def plan_kept_params(
         return set()
     blocks: dict[str, list[tuple[torch.Tensor, ShardSpec]]] = {}
     for path, param, spec in params:
-        blocks.setdefault(block_of(path), []).append((param, spec))
+        # a module outside indexed containers is a unit of its own: the head of
+        # ``model.output`` must not share a unit with ``model.embed``
+        unit = block_of(path) if _INDEXED.match(path) else path
+        blocks.setdefault(unit, []).append((param, spec))
     kept: set[int] = set()
     spent = 0
     names = []

@@ -52,6 +52,31 @@ def test_whole_blocks_are_kept_from_the_last_one_back(fake_pg, budget, kept):
     assert sorted(_kept(model)) == sorted(kept)
 
 
+class Wrapped(torch.nn.Module):
+    """ThreeBlocks one level down, with an input layer: ``model.embed`` and ``model.head``
+    sit outside the indexed container and must not be kept (or dropped) together."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = ThreeBlocks()
+        self.model.embed = torch.nn.Linear(512, 512, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(self.model.embed(x))
+
+
+def test_modules_outside_containers_are_units_of_their_own(fake_pg):
+    embed = 512 * 512 * 4
+    model = fczero.parallelize(Wrapped(), init_device_mesh("cpu", (2,)), unsharded_budget=embed)
+    # registration order: blocks.0-2, head, embed; the embed was registered last
+    assert sorted(_kept(model)) == ["model.embed.weight"]
+    budget = embed + HEAD + 2 * BLOCK  # one byte short of blocks.0 as well
+    model = fczero.parallelize(Wrapped(), init_device_mesh("cpu", (2,)), unsharded_budget=budget)
+    kept = ["model.embed.weight", "model.head.weight"]
+    kept += [f"model.blocks.{i}.{n}" for i in (1, 2) for n in ("weight", "bias")]
+    assert sorted(_kept(model)) == sorted(kept)
+
+
 def test_no_selective_unsharding_without_resharding(fake_pg):
     model = fczero.parallelize(
         ThreeBlocks(), init_device_mesh("cpu", (2,)), reshard_after_forward=False, unsharded_budget=10**9
