@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from fczero import prefetch as eager_prefetch
-from fczero import resharding
+from fczero import resharding, stages
 from fczero.config import ShardingOptions
 from fczero.passes import registry
 from fczero.passes.install import install
@@ -44,9 +44,10 @@ def parallelize(
     bucket_bytes: int = 128 * 2**20,
     prefetch: int = 1,
     memory_budget: int | None = None,
+    stage: int = 3,
     **unknown: object,
 ) -> nn.Module:
-    """Shard every parameter of ``model`` over ``mesh`` (ZeRO stage 3), in place.
+    """Shard every parameter of ``model`` over ``mesh`` (ZeRO stage 3 by default), in place.
 
     After the call each parameter is an ``nn.Parameter`` DTensor with ``Shard(0)`` on
     the data-parallel axis (0-d params: ``Replicate()``), living on the mesh's device;
@@ -64,7 +65,7 @@ def parallelize(
         mesh: a ``DeviceMesh``; with more than one axis, name the data-parallel one
             with ``axis``.
         param_dtype, reduce_dtype, reshard_after_forward, axis, compile_passes,
-        bucket_bytes, prefetch, memory_budget: see :class:`fczero.ShardingOptions`
+        bucket_bytes, prefetch, memory_budget, stage: see :class:`fczero.ShardingOptions`
             (one docstring per field).
 
     Returns:
@@ -83,21 +84,31 @@ def parallelize(
         bucket_bytes=bucket_bytes,
         prefetch=prefetch,
         memory_budget=memory_budget,
+        stage=stage,
         **unknown,
     )
     dp_mesh = _data_parallel_mesh(mesh, options.axis)
     owners = _validate_model(model)
 
     specs_by_param: dict[int, tuple[nn.Parameter, ShardSpec]] = {}
+    originals: dict[int, nn.Parameter] = {}
     wiring: dict[nn.Module, dict[str, ShardSpec]] = {}
     for module, name, param in owners:
         if id(param) not in specs_by_param:  # a param shared by several modules is sharded once
             specs_by_param[id(param)] = shard_tensor(param, dp_mesh, options, param.requires_grad)
+            originals[id(param)] = param
         sharded, spec = specs_by_param[id(param)]
         module._parameters[name] = sharded
         wiring.setdefault(module, {})[name] = spec
     for module, specs in wiring.items():
         wire_module(module, specs)
+    stages.attach(
+        model,
+        [(originals[key], *specs_by_param[key]) for key in specs_by_param],
+        wiring,
+        options,
+        dp_mesh,
+    )
     _move_buffers(model, dp_mesh)
     quiet_gather_checkpoint_note()
     if options.compile_passes:
