@@ -42,15 +42,12 @@ def set_requires_gradient_sync(model: nn.Module, requires_sync: bool) -> None:
         raise TypeError(
             f"fczero.set_requires_gradient_sync needs True or False, got {requires_sync!r}."
         )
-    root = stages.root_state(model)
+    root = stages.root_state(getattr(model, "_orig_mod", model))  # a torch.compile wrapper too
     if root is None:
         raise ValueError(
             "fczero.set_requires_gradient_sync needs the root module that fczero.parallelize "
-            f"returned; got a {type(model).__name__} that is not one (pass the parallelized "
-            "root, not a submodule or a torch.compile wrapper's inner module)."
-            if not hasattr(model, "_orig_mod")
-            else "fczero.set_requires_gradient_sync got a torch.compile wrapper; pass the "
-            "parallelized module itself (compiled._orig_mod)."
+            f"returned (or its torch.compile wrapper); got a {type(model).__name__} that is "
+            "not one. Pass the parallelized root, not a submodule."
         )
     if root.in_forward or torch.compiler.is_compiling():
         raise RuntimeError(

@@ -61,7 +61,11 @@ class ShardingOptions:
     ``reshard_after_forward`` applies to stage 3 only."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (1, 2, 3):
+        if (
+            not isinstance(self.stage, int)
+            or isinstance(self.stage, bool)
+            or self.stage not in (1, 2, 3)
+        ):
             raise ValueError(
                 f"fczero: stage={self.stage!r} does not exist; use 1 (shard optimizer state), "
                 "2 (also shard grads) or 3 (also shard params, the default)."

@@ -23,6 +23,7 @@ rank add zeros) and each param's rows are written to its sharded ``.grad``. Unde
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -52,8 +53,9 @@ class Route:
     index: int  # this param's slot in that Reducer
 
 
-#: Eager stage-1 reducers by key (``Route.reducer``); a Route holds only constants.
-REDUCERS: dict[int, Reducer] = {}
+#: Eager stage-1 reducers by key (``Route.reducer``); a Route holds only constants. Weak:
+#: the root's state owns its Reducer.
+REDUCERS: weakref.WeakValueDictionary[int, Reducer] = weakref.WeakValueDictionary()
 
 
 def reduce_whole_grad(grad: torch.Tensor, route: Route) -> torch.Tensor:
@@ -95,8 +97,9 @@ class _WholeParam(torch.autograd.Function):
             return None, None, grad, None, None
         if ctx.has_pending:
             grad = grad + ctx.saved_tensors[0]
-        if route.kind == "rows" and ctx.eager and route.reducer in REDUCERS:
-            REDUCERS[route.reducer].ready(route.index, grad)
+        red = REDUCERS.get(route.reducer) if route.kind == "rows" and ctx.eager else None
+        if red is not None:
+            red.ready(route.index, grad)
             return None, None, None, None, None  # the Reducer writes the sharded .grad
         return reduce_whole_grad(grad, route), None, None, None, None
 

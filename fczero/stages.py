@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,6 +64,7 @@ class RootState:
         self.sync = True  # reduce grads in backward (False: accumulate, see fczero.accumulation)
         self.in_forward = False  # an eager forward of the root is running
         self.params: list[ParamState] = []  # registration order, identical on every rank
+        self.reducer: Reducer | None = None
         self.reducer_key = -1
 
 
@@ -95,8 +97,9 @@ class ParamState:
         else:
             whole = self._gather_without_grad(param)
         route = self.route
-        if route.reducer >= 0 and not accumulating and not collectives._tracing():
-            REDUCERS[route.reducer].expect(route.index)
+        eager_stage1 = root.reducer is not None and route.index >= 0
+        if eager_stage1 and not accumulating and not collectives._tracing():
+            root.reducer.expect(route.index)  # one more grad for its bucket to wait for
         return whole_param(_local(param), whole, self.acc if accumulating else None, pending, route)
 
     def _gather_without_grad(self, param: torch.Tensor) -> torch.Tensor:
@@ -124,7 +127,8 @@ class ParamState:
         self.acc = one.expand(self.spec.shape).detach().requires_grad_(True)
 
 
-#: Sharded param -> its state (for the optimizer hooks).
+#: Sharded param -> weak reference to its state (for the optimizer hooks). Both weak: the
+#: model alone keeps its states (and so its params) alive.
 _STATES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _hooks_installed = False
 
@@ -170,10 +174,11 @@ def attach(
             state.whole = whole
         root.params.append(state)
         by_param[id(sharded)] = state
-        _STATES[sharded] = state
+        _STATES[sharded] = weakref.ref(state)
     if reducer_slots:
         gloo = dist.get_backend(mesh.get_group()) == "gloo"
         reducer = Reducer(reducer_slots, options.bucket_bytes, overlap=not gloo)
+        root.reducer = reducer  # REDUCERS holds it weakly
         root.reducer_key = id(reducer)
         REDUCERS[root.reducer_key] = reducer
         for state in root.params:
@@ -269,12 +274,9 @@ def refresh_params(model: nn.Module) -> None:
 
 
 def _states_of(optimizer: torch.optim.Optimizer) -> list[ParamState]:
-    return [
-        _STATES[p]
-        for group in optimizer.param_groups
-        for p in group["params"]
-        if p in _STATES
-    ]
+    refs = [_STATES.get(p) for group in optimizer.param_groups for p in group["params"]]
+    states = [ref() for ref in refs if ref is not None]
+    return [s for s in states if s is not None]
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
