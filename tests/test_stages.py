@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 import fczero
 from fczero import stages
-from fczero.testing import parity
+from fczero.testing import backends, parity
 from fczero.testing.distributed import run_on_ranks
 from fczero.testing.graphs import collective_sequence
 from tests.models import TwoLayer, UnevenTiedMLP, mlp_batches, tiny_llama, token_batches
@@ -34,6 +34,7 @@ CASES = [
     Case("mlp", backend="aot_eager", options=(("stage", 2),)),
     Case("llama", backend="aot_eager", options=(("stage", 1),)),
     Case("llama", "adamw", backend="aot_eager_with_passes", options=(("stage", 2),)),
+    Case("llama", backend="aot_eager_with_passes", options=(("stage", 1),)),  # bucketed
 ]
 
 
@@ -203,6 +204,18 @@ def test_stage1_graphs_gather_nothing_and_all_reduce(fake_pg):
     reduces = [op for op in bw if op.startswith("all_reduce")]
     assert sorted(reduces) == sorted(["all_reduce[4, 16]", "all_reduce[16]", "all_reduce[16, 8]"])
     assert not any(op.startswith(("all_gather", "reduce_scatter")) for op in bw)
+
+
+def test_stage1_compiled_all_reduces_are_bucketed(fake_pg):
+    torch.manual_seed(0)
+    model = fczero.parallelize(TwoLayer(), init_device_mesh("cpu", (2,)), stage=1)
+    backends.recorded.clear()
+    compiled = torch.compile(model, backend=backends.aot_eager_with_passes, fullgraph=True)
+    compiled(torch.randn(3, 8)).sum().backward()
+    fw, bw = (collective_sequence(g) for g in backends.recorded)
+    assert fw == []
+    # fc1.weight (128) + fc1.bias (16) + fc2.weight (64): one bucket (under 1 MiB)
+    assert bw == ["all_reduce[208]", "wait_tensor[208]"]
 
 
 def test_stage1_eager_buckets_follow_reverse_registration(fake_pg):
