@@ -39,6 +39,7 @@ def train_accumulating(
     backend: str | None,
     k: int,
     api: str,
+    device_type: str = "cpu",
 ) -> tuple[parity.Trace, list[int]]:
     """One rank: every batch as K micro-batches, reduce on the last. ``api`` picks how sync
     is turned off: "context" (fczero.no_sync around forward and backward), "flag"
@@ -48,7 +49,8 @@ def train_accumulating(
     build, batches, criterion = _setup(model_name)
     torch.manual_seed(0)
     model = build()
-    fczero.parallelize(model, init_device_mesh("cpu", (world_size,)), stage=stage)
+    fczero.parallelize(model, init_device_mesh(device_type, (world_size,)), stage=stage)
+    device = next(model.parameters()).device
     counter = None
     step_fn = model
     if backend is not None:
@@ -57,9 +59,9 @@ def train_accumulating(
     opt = parity.make_optimizer("sgd", model.parameters(), 0.05)
     losses, frames = [], []
     for batch in batches:
-        inputs, target = parity._slice(batch, rank, world_size, torch.device("cpu"))
+        inputs, target = parity._slice(batch, rank, world_size, device)
         micro = list(zip(inputs.chunk(k), target.chunk(k)))
-        total = torch.zeros(())
+        total = torch.zeros((), device=device)
         if api == "late":
             with fczero.no_sync(model):
                 pending = [criterion(step_fn(x), y) / k for x, y in micro[:-1]]
@@ -87,7 +89,7 @@ def train_accumulating(
         dist.all_reduce(total)
         losses.append((total / world_size).item())
         frames.append(counter.frame_count if counter is not None else 0)
-    params = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+    params = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
     return parity.Trace(losses, params), frames
 
 
@@ -103,11 +105,11 @@ CASES = [
 ]
 
 
-def _run_cases(rank: int, world_size: int, cases: list) -> list:
+def _run_cases(rank: int, world_size: int, cases: list, device_type: str = "cpu") -> list:
     out = []
     for case in cases:
         torch._dynamo.reset()
-        out.append(train_accumulating(rank, world_size, *case))
+        out.append(train_accumulating(rank, world_size, *case, device_type=device_type))
     return out
 
 
@@ -128,6 +130,25 @@ def test_accumulation_matches_one_large_batch(traces, case):
         # compiled during the first step only: later steps reuse them
         assert frames[0] > 0
         assert frames[-1] == frames[0], f"recompiled after the first step: {frames}"
+
+
+GPU_CASES = [
+    ("llama", 1, None, 2, "context"),
+    ("llama", 2, "inductor", 2, "late"),
+    ("llama", 3, "inductor", 2, "context"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_nccl_accumulation_matches_one_large_batch():
+    """NCCL on 2 GPUs (the stage-1 reducer overlaps there); tolerances as in test_gpu."""
+    per_rank = run_on_ranks(_run_cases, 2, GPU_CASES, "cuda", backend="nccl")
+    for case, (trace, frames) in zip(GPU_CASES, per_rank[0]):
+        build, batches, criterion = _setup(case[0])
+        expected = parity.train_reference(build, batches, criterion, device="cuda")
+        parity.assert_close(trace, expected, rtol=1e-4, atol=1e-5)
+        assert frames[-1] == frames[0], (case, frames)
 
 
 # --- graphs (fake process group: shapes and collectives only) ---------------------------

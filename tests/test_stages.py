@@ -176,6 +176,30 @@ def _inductor_run(rank: int, world_size: int, stage: int) -> parity.Trace:
     )
 
 
+GPU_CASES = [
+    Case("llama", "adamw", options=(("stage", 1), ("bucket_bytes", 4096))),
+    Case("mlp", options=(("stage", 2),)),
+    Case("llama", backend="inductor", options=(("stage", 1),)),
+    Case("llama", "adamw", backend="inductor", options=(("stage", 2),)),
+    Case("llama", backend="inductor", options=(("stage", 2), *BF16_OPTS)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_nccl_stages_match_reference():
+    """NCCL on 2 GPUs: the stage-1 reducer's all-reduces overlap there (async); tolerances
+    as in test_gpu (fp32 rtol 1e-4 / atol 1e-5: cuBLAS orders sums by shape)."""
+    per_rank = run_on_ranks(run_cases, 2, GPU_CASES, "cuda", backend="nccl")
+    for case, actual in zip(GPU_CASES, per_rank[0]):
+        build, batches, criterion = case.setup()
+        expected = parity.train_reference(
+            build, batches, criterion, optimizer=case.optimizer, lr=case.lr, device="cuda"
+        )
+        bf16 = dict(case.options).get("param_dtype") == torch.bfloat16
+        parity.assert_close(actual, expected, **(BF16 if bf16 else {"rtol": 1e-4, "atol": 1e-5}))
+
+
 # --- graphs (fake process group: shapes and collectives only) ---------------------------
 
 
