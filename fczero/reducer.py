@@ -128,6 +128,8 @@ class Reducer:
         self.params = params  # slot i: (sharded param, route, whole shape)
         self.overlap = overlap  # False: wait for each all-reduce at once (gloo)
         self.buckets = _plan(params, bucket_bytes)
+        self.bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
+        self.late: dict[int, torch.Tensor] = {}
         self.uses = [0] * len(params)
         self.grads: list[torch.Tensor | None] = [None] * len(params)
         self.used = [False] * len(params)
@@ -143,10 +145,16 @@ class Reducer:
         if not self.armed:  # first grad of this backward: reduce what is left when it ends
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             self.armed = True
-        slot = self.grads[index]
-        self.grads[index] = grad if slot is None else slot + grad
         self.uses[index] -= 1
         self.used[index] = True
+        if self.bucket_of[index] < len(self.launched):
+            # More grads than this backward's reads announced (e.g. two forwards, then two
+            # separate backwards): the bucket is gone, so this grad is reduced at the end.
+            slot = self.late.get(index)
+            self.late[index] = grad if slot is None else slot + grad
+            return
+        slot = self.grads[index]
+        self.grads[index] = grad if slot is None else slot + grad
         while len(self.launched) < len(self.buckets) and all(
             self.uses[i] <= 0 for i in self.buckets[len(self.launched)]
         ):
@@ -185,7 +193,14 @@ class Reducer:
                         rows = whole.narrow(0, route.start, route.local_rows)
                         _add_grad(param, rows.to(route.shard_dtype).clone())
                     offset += numel
-        self.launched, self.armed = [], False
+            for i in sorted(self.late):  # same arrivals, hence same order, on every rank
+                param, route, shape = self.params[i]
+                whole = collectives.all_reduce_sum(
+                    self.late[i] / route.group_size, route.group_name
+                )
+                rows = whole.narrow(0, route.start, route.local_rows)
+                _add_grad(param, rows.to(route.shard_dtype).clone())
+        self.launched, self.armed, self.late = [], False, {}
         self.uses = [0] * len(self.params)
         self.used = [False] * len(self.params)
 

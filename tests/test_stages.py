@@ -100,8 +100,22 @@ def _refresh_after_manual_change(rank: int, world_size: int) -> list[str]:
     return [f"{len(stale)} stale of {len(states)}", f"{len(still)} stale after refresh"]
 
 
+def _two_forwards_then_two_backwards(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """Eager stage 1: both forwards announce their reads before either backward runs, so
+    the first backward reduces every bucket and the second's grads arrive late."""
+    torch.manual_seed(0)
+    model = UnevenTiedMLP()
+    fczero.parallelize(model, init_device_mesh("cpu", (world_size,)), stage=1, bucket_bytes=64)
+    (x1, y1), (x2, y2) = (parity._slice(b, rank, world_size, "cpu") for b in mlp_batches(2))
+    loss1, loss2 = parity.mse(model(x1), y1), parity.mse(model(x2), y2)
+    loss1.backward()
+    loss2.backward()
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def _rank_main(rank: int, world_size: int) -> dict:
     return {
+        "late": _two_forwards_then_two_backwards(rank, world_size),
         "traces": run_cases(rank, world_size, CASES),
         "buckets": _bucket_launches(rank, world_size),
         "frames": {s: _steady_state_frames(rank, world_size, s) for s in (1, 2)},
@@ -125,6 +139,20 @@ def test_matches_single_process_reference(ranks, case):
     )
     tol = BF16 if dict(case.options).get("param_dtype") == torch.bfloat16 else FP32
     parity.assert_close(actual, expected, **tol)
+
+
+def test_stage1_grads_arriving_after_their_bucket_are_reduced(ranks):
+    torch.manual_seed(0)
+    model = UnevenTiedMLP()
+    (x1, y1), (x2, y2) = mlp_batches(2)
+    (parity.mse(model(x1), y1) + parity.mse(model(x2), y2)).backward()
+    expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for r in ranks:
+        assert r["late"].keys() == expected.keys()
+        for name, grad in expected.items():
+            torch.testing.assert_close(
+                r["late"][name], grad, **FP32, msg=lambda m, name=name: f"{name}: {m}"
+            )
 
 
 def test_stage1_buckets_reduce_in_fixed_order(ranks):
