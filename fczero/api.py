@@ -244,7 +244,7 @@ def _root_pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
         )
     if torch.compiler.is_compiling():
         return args, kwargs
-    if options.reshard_after_forward:
+    if options.reshard_after_forward and options.stage == 3:  # stages 1/2 gather nothing
         scope = resharding.reshard_scope()
         scope.__enter__()
         module.__dict__["_fczero_scope"] = scope
