@@ -5,8 +5,17 @@ and reduces are traceable functional collectives, so plain ``torch.compile`` see
 (and can schedule) the communication.
 """
 
+from fczero.accumulation import no_sync, set_requires_gradient_sync
 from fczero.api import is_parallelized, parallelize
 from fczero.config import ShardingOptions
+from fczero.stages import refresh_params
 
-__all__ = ["ShardingOptions", "is_parallelized", "parallelize"]
+__all__ = [
+    "ShardingOptions",
+    "is_parallelized",
+    "no_sync",
+    "parallelize",
+    "refresh_params",
+    "set_requires_gradient_sync",
+]
 __version__ = "0.1.0"

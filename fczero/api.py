@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from fczero import prefetch as eager_prefetch
-from fczero import resharding, unsharding
+from fczero import resharding, stages, unsharding
 from fczero.config import ShardingOptions
 from fczero.passes import registry
 from fczero.passes.install import install
@@ -46,9 +46,10 @@ def parallelize(
     prefetch: int = 1,
     memory_budget: int | None = None,
     unsharded_budget: int = 0,
+    stage: int = 3,
     **unknown: object,
 ) -> nn.Module:
-    """Shard every parameter of ``model`` over ``mesh`` (ZeRO stage 3), in place.
+    """Shard every parameter of ``model`` over ``mesh`` (ZeRO stage 3 by default), in place.
 
     After the call each parameter is an ``nn.Parameter`` DTensor with ``Shard(0)`` on
     the data-parallel axis (0-d params: ``Replicate()``), living on the mesh's device;
@@ -66,7 +67,7 @@ def parallelize(
         mesh: a ``DeviceMesh``; with more than one axis, name the data-parallel one
             with ``axis``.
         param_dtype, reduce_dtype, reshard_after_forward, axis, compile_passes,
-        bucket_bytes, prefetch, memory_budget, unsharded_budget: see :class:`fczero.ShardingOptions`
+        bucket_bytes, prefetch, memory_budget, unsharded_budget, stage: see :class:`fczero.ShardingOptions`
             (one docstring per field).
 
     Returns:
@@ -86,18 +87,21 @@ def parallelize(
         prefetch=prefetch,
         memory_budget=memory_budget,
         unsharded_budget=unsharded_budget,
+        stage=stage,
         **unknown,
     )
     dp_mesh = _data_parallel_mesh(mesh, options.axis)
     owners = _validate_model(model)
 
     specs_by_param: dict[int, tuple[nn.Parameter, ShardSpec]] = {}
+    originals: dict[int, nn.Parameter] = {}
     first_owner: list[tuple[str, torch.Tensor, ShardSpec]] = []
     for path, _, _, param in owners:
         if id(param) not in specs_by_param:  # a param shared by several modules is sharded once
             specs_by_param[id(param)] = shard_tensor(param, dp_mesh, options, param.requires_grad)
+            originals[id(param)] = param
             first_owner.append((path, param, specs_by_param[id(param)][1]))
-    if options.reshard_after_forward:
+    if options.reshard_after_forward and options.stage == 3:
         for key in unsharding.plan_kept_params(first_owner, options.unsharded_budget):
             sharded, spec = specs_by_param[key]
             specs_by_param[key] = sharded, dataclasses.replace(spec, keep_unsharded=True)
@@ -108,6 +112,13 @@ def parallelize(
         wiring.setdefault(module, {})[name] = spec
     for module, specs in wiring.items():
         wire_module(module, specs)
+    stages.attach(
+        model,
+        [(originals[key], *specs_by_param[key]) for key in specs_by_param],
+        wiring,
+        options,
+        dp_mesh,
+    )
     _move_buffers(model, dp_mesh)
     quiet_gather_checkpoint_note()
     if options.compile_passes:
@@ -244,7 +255,7 @@ def _root_pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
         )
     if torch.compiler.is_compiling():
         return args, kwargs
-    if options.reshard_after_forward:
+    if options.reshard_after_forward and options.stage == 3:  # stages 1/2 gather nothing
         scope = resharding.reshard_scope()
         scope.__enter__()
         module.__dict__["_fczero_scope"] = scope

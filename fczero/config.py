@@ -59,7 +59,24 @@ class ShardingOptions:
     unsharded size for the whole step. 0: pure stage 3. Ignored when
     ``reshard_after_forward=False``, which keeps everything."""
 
+    stage: int = 3
+    """ZeRO stage. 3: params, grads and optimizer state sharded; each param is gathered
+    when a module reads it. 2: each rank keeps a whole copy of every param (refreshed
+    by a bucketed all-gather after ``optimizer.step()``); grads are reduce-scattered.
+    1: whole params as in stage 2; grads are all-reduced in buckets of ``bucket_bytes``
+    and each rank keeps its rows. Optimizer state is sharded in every stage.
+    ``reshard_after_forward`` applies to stage 3 only."""
+
     def __post_init__(self) -> None:
+        if (
+            not isinstance(self.stage, int)
+            or isinstance(self.stage, bool)
+            or self.stage not in (1, 2, 3)
+        ):
+            raise ValueError(
+                f"fczero: stage={self.stage!r} does not exist; use 1 (shard optimizer state), "
+                "2 (also shard grads) or 3 (also shard params, the default)."
+            )
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is None:

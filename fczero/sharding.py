@@ -44,6 +44,8 @@ logger = logging.getLogger("fczero")
 #: Attribute set on every module that fczero manages (and on the root, the options).
 MANAGED_ATTR = "_fczero_specs"
 ROOT_ATTR = "_fczero_options"
+#: Attribute set by ``fczero.stages`` on managed modules: each param's ``ParamState``.
+STATE_ATTR = "_fczero_state"
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,9 @@ _WIRED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 def _unsharded_property(name: str) -> property:
     def get(module: nn.Module) -> torch.Tensor:
+        states = getattr(module, STATE_ATTR, None)  # fczero.stages: stages 1/2, accumulation
+        if states is not None:
+            return states[name].unshard(module._parameters[name])
         return getattr(module, MANAGED_ATTR)[name].unshard(module._parameters[name])
 
     return property(get, doc=f"Unsharded {name!r}, gathered by fczero on each access.")

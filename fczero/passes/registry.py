@@ -44,14 +44,15 @@ def snapshot() -> tuple:
     return tuple(sorted((k, repr(v)) for k, v in _BY_GROUP.items()))
 
 
+#: Where each collective fczero issues takes its process group's name.
+_GROUP_ARG = {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 3, "all_reduce": 2}
+
+
 def settings_for_graph(graph: fx.Graph) -> PassSettings | None:
     """The settings of the (first) registered group the graph communicates on, if any."""
     for node in graph.nodes:
-        if node.op == "call_function" and op_name(node) in (
-            "all_gather_into_tensor",
-            "reduce_scatter_tensor",
-        ):
-            name = node.args[-1] if op_name(node) == "all_gather_into_tensor" else node.args[3]
+        if node.op == "call_function" and op_name(node) in _GROUP_ARG:
+            name = node.args[_GROUP_ARG[op_name(node)]]
             if name in _BY_GROUP:
                 return _BY_GROUP[name]
     return None

@@ -1,0 +1,253 @@
+"""Gradient accumulation: parity with one K-times-larger batch, graphs, recompiles, misuse.
+
+Parity runs on 2 gloo ranks against ``parity.train_reference`` on the whole batches:
+each rank splits its slice of a batch into K micro-batches and scales each loss by
+1/K, so the reduced sum of their grads is the large batch's gradient. fp32 tolerances
+as in test_numerics (rtol 1e-5, atol 1e-6): only the order of sums differs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._dynamo.testing import AotEagerAndRecordGraphs, CompileCounterWithBackend
+from torch.distributed.device_mesh import init_device_mesh
+
+import fczero
+from fczero.testing import parity
+from fczero.testing.backends import BACKENDS
+from fczero.testing.distributed import run_on_ranks
+from fczero.testing.graphs import collective_sequence
+from tests.models import TwoLayer, UnevenTiedMLP, mlp_batches, tiny_llama, token_batches
+
+FP32 = {"rtol": 1e-5, "atol": 1e-6}
+REDUCES = ("reduce_scatter_tensor", "all_reduce")
+
+
+def _setup(model: str):
+    if model == "mlp":
+        return UnevenTiedMLP, mlp_batches(steps=3), parity.mse
+    return tiny_llama, token_batches(steps=3), parity.cross_entropy
+
+
+def train_accumulating(
+    rank: int,
+    world_size: int,
+    model_name: str,
+    stage: int,
+    backend: str | None,
+    k: int,
+    api: str,
+    device_type: str = "cpu",
+) -> tuple[parity.Trace, list[int]]:
+    """One rank: every batch as K micro-batches, reduce on the last. ``api`` picks how sync
+    is turned off: "context" (fczero.no_sync around forward and backward), "flag"
+    (set_requires_gradient_sync) or "late" (only the forwards inside no_sync; their
+    backwards run after the block). Returns the trace and the compiled-frame count
+    after each step (constant after the first step: no recompiles)."""
+    build, batches, criterion = _setup(model_name)
+    torch.manual_seed(0)
+    model = build()
+    fczero.parallelize(model, init_device_mesh(device_type, (world_size,)), stage=stage)
+    device = next(model.parameters()).device
+    counter = None
+    step_fn = model
+    if backend is not None:
+        counter = CompileCounterWithBackend(BACKENDS.get(backend, backend))
+        step_fn = torch.compile(model, backend=counter)
+    opt = parity.make_optimizer("sgd", model.parameters(), 0.05)
+    losses, frames = [], []
+    for batch in batches:
+        inputs, target = parity._slice(batch, rank, world_size, device)
+        micro = list(zip(inputs.chunk(k), target.chunk(k)))
+        total = torch.zeros((), device=device)
+        if api == "late":
+            with fczero.no_sync(model):
+                pending = [criterion(step_fn(x), y) / k for x, y in micro[:-1]]
+            for loss in pending:
+                loss.backward()
+                total += loss.detach()
+        else:
+            for i, (x, y) in enumerate(micro[:-1]):
+                if api == "flag":
+                    fczero.set_requires_gradient_sync(model, False)
+                    loss = criterion(step_fn(x), y) / k
+                    loss.backward()
+                else:
+                    with fczero.no_sync(model):
+                        loss = criterion(step_fn(x), y) / k
+                        loss.backward()
+                total += loss.detach()
+            fczero.set_requires_gradient_sync(model, True)
+        x, y = micro[-1]
+        loss = criterion(step_fn(x), y) / k
+        loss.backward()
+        total += loss.detach()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.all_reduce(total)
+        losses.append((total / world_size).item())
+        frames.append(counter.frame_count if counter is not None else 0)
+    params = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
+    return parity.Trace(losses, params), frames
+
+
+CASES = [
+    # (model, stage, backend, k, api)
+    ("mlp", 1, None, 2, "context"),
+    ("mlp", 2, None, 2, "flag"),
+    ("mlp", 3, None, 2, "late"),
+    ("llama", 3, None, 2, "context"),
+    ("mlp", 1, "aot_eager", 2, "context"),
+    ("mlp", 2, "aot_eager", 2, "late"),
+    ("mlp", 3, "aot_eager_with_passes", 4, "flag"),
+]
+
+
+def _run_cases(rank: int, world_size: int, cases: list, device_type: str = "cpu") -> list:
+    out = []
+    for case in cases:
+        torch._dynamo.reset()
+        out.append(train_accumulating(rank, world_size, *case, device_type=device_type))
+    return out
+
+
+@pytest.fixture(scope="module")
+def traces() -> dict:
+    per_rank = run_on_ranks(_run_cases, 2, CASES)
+    return dict(zip(CASES, per_rank[0]))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c))
+def test_accumulation_matches_one_large_batch(traces, case):
+    trace, frames = traces[case]
+    build, batches, criterion = _setup(case[0])
+    expected = parity.train_reference(build, batches, criterion)
+    parity.assert_close(trace, expected, **FP32)
+    if case[2] is not None:
+        # an unsynced and a synced graph (and the pieces the param_dtype-free model has),
+        # compiled during the first step only: later steps reuse them
+        assert frames[0] > 0
+        assert frames[-1] == frames[0], f"recompiled after the first step: {frames}"
+
+
+GPU_CASES = [
+    ("llama", 1, None, 2, "context"),
+    ("llama", 2, "inductor", 2, "late"),
+    ("llama", 3, "inductor", 2, "context"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_nccl_accumulation_matches_one_large_batch():
+    """NCCL on 2 GPUs (the stage-1 reducer overlaps there); tolerances as in test_gpu."""
+    per_rank = run_on_ranks(_run_cases, 2, GPU_CASES, "cuda", backend="nccl")
+    for case, (trace, frames) in zip(GPU_CASES, per_rank[0]):
+        build, batches, criterion = _setup(case[0])
+        expected = parity.train_reference(build, batches, criterion, device="cuda")
+        parity.assert_close(trace, expected, rtol=1e-4, atol=1e-5)
+        assert frames[-1] == frames[0], (case, frames)
+
+
+# --- graphs (fake process group: shapes and collectives only) ---------------------------
+
+
+def _graphs(stage: int, sync: bool, **options):
+    torch.manual_seed(0)
+    model = fczero.parallelize(TwoLayer(), init_device_mesh("cpu", (2,)), stage=stage, **options)
+    backend = AotEagerAndRecordGraphs()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    fczero.set_requires_gradient_sync(model, sync)
+    compiled(torch.randn(3, 8)).sum().backward()
+    assert len(backend.fw_graphs) == 1 and len(backend.bw_graphs) == 1
+    return collective_sequence(backend.fw_graphs[0]), collective_sequence(backend.bw_graphs[0])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_unsynced_backward_graph_has_no_reduce(fake_pg, stage):
+    fw, bw = _graphs(stage, sync=False)
+    assert not any(op.startswith(REDUCES) for op in bw), bw
+    if stage == 3:
+        # stage 3 still gathers: in forward, and again in backward to recompute
+        assert "all_gather_into_tensor[16, 8]" in fw
+        assert any(op.startswith("all_gather_into_tensor") for op in bw)
+    else:
+        assert fw == [] and bw == []
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_synced_backward_graph_reduces(fake_pg, stage):
+    _, bw = _graphs(stage, sync=True)
+    expected = "all_reduce[16, 8]" if stage == 1 else "reduce_scatter_tensor[8, 8]"
+    assert expected in bw, bw
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_synced_graph_after_accumulating_takes_the_sum(fake_pg, stage):
+    """fullgraph: handing the accumulated sum to the synced step needs no graph break."""
+    torch.manual_seed(0)
+    model = fczero.parallelize(TwoLayer(), init_device_mesh("cpu", (2,)), stage=stage)
+    backend = AotEagerAndRecordGraphs()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with fczero.no_sync(model):
+        compiled(torch.randn(3, 8)).sum().backward()
+    states = fczero.stages.root_state(model).params
+    assert all(s.acc is not None and s.acc.grad is not None for s in states)
+    compiled(torch.randn(3, 8)).sum().backward()
+    assert len(backend.fw_graphs) == 2 and len(backend.bw_graphs) == 2
+    assert any(op.startswith(REDUCES) for op in collective_sequence(backend.bw_graphs[1]))
+    assert all(s.acc is None for s in states)  # taken by the synced forward, then freed
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_stage3_unsynced_forward_saves_no_unsharded_param(fake_pg):
+    from fczero.testing.graphs import saved_unsharded
+
+    torch.manual_seed(0)
+    model = fczero.parallelize(TwoLayer(), init_device_mesh("cpu", (2,)))
+    backend = AotEagerAndRecordGraphs()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with fczero.no_sync(model):
+        compiled(torch.randn(3, 8)).sum().backward()
+    assert saved_unsharded(backend.fw_graphs[0]) == []
+
+
+# --- misuse -------------------------------------------------------------------------------
+
+
+def test_step_with_unreduced_grads_is_refused(fake_pg):
+    model = fczero.parallelize(TwoLayer(), init_device_mesh("cpu", (2,)), stage=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    with fczero.no_sync(model):
+        model(torch.randn(3, 8)).sum().backward()
+    with pytest.raises(RuntimeError, match="never reduced"):
+        opt.step()
+    for n, p in model.named_parameters():  # refused before anything changed
+        torch.testing.assert_close(p.to_local(), before[n])
+
+
+def test_toggle_inside_forward_is_refused(fake_pg):
+    class Toggles(TwoLayer):
+        def forward(self, x):
+            fczero.set_requires_gradient_sync(self, False)
+            return super().forward(x)
+
+    model = fczero.parallelize(Toggles(), init_device_mesh("cpu", (2,)), stage=2)
+    with pytest.raises(RuntimeError, match="inside a forward"):
+        model(torch.randn(3, 8))
+    assert fczero.stages.root_state(model).sync is True  # unchanged
+
+
+def test_bad_targets_and_values(fake_pg):
+    model = fczero.parallelize(TwoLayer(), init_device_mesh("cpu", (2,)), stage=2)
+    with pytest.raises(TypeError, match="True or False"):
+        fczero.set_requires_gradient_sync(model, 0)
+    with pytest.raises(ValueError, match="root module"):
+        fczero.set_requires_gradient_sync(model.fc1, False)
+    fczero.set_requires_gradient_sync(torch.compile(model), False)  # the wrapper is accepted
+    assert fczero.stages.root_state(model).sync is False
+    with pytest.raises(ValueError, match="root module"), fczero.no_sync(TwoLayer()):
+        pass
