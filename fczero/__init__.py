@@ -5,8 +5,9 @@ and reduces are traceable functional collectives, so plain ``torch.compile`` see
 (and can schedule) the communication.
 """
 
+from fczero import checkpoint
 from fczero.api import is_parallelized, parallelize
 from fczero.config import ShardingOptions
 
-__all__ = ["ShardingOptions", "is_parallelized", "parallelize"]
+__all__ = ["ShardingOptions", "checkpoint", "is_parallelized", "parallelize"]
 __version__ = "0.1.0"
