@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
+from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
@@ -110,7 +110,8 @@ def save(
         "extra": extra_json,  # one string: a dict's keys would have to be known to load it
         "optimizer": type(optimizer).__name__ if optimizer is not None else None,
     }
-    dcp.save(state, checkpoint_id=partial)  # returns on every rank once the metadata is written
+    # dcp.save returns on every rank only once rank 0 has written the metadata (last).
+    dcp.save(state, checkpoint_id=partial, no_dist=_single())
 
     if rank0:
         shutil.rmtree(old, ignore_errors=True)
@@ -145,17 +146,23 @@ def load(
     metadata = dcp.FileSystemReader(path).read_metadata()
     _check_model_keys(path, metadata, model)
     record = {_META: {"format": 0, "step": 0, "world_size": 0, "extra": "{}", "optimizer": None}}
-    dcp.load(record, checkpoint_id=path)
+    dcp.load(record, checkpoint_id=path, no_dist=_single())
     meta = record[_META]
     if optimizer is not None:
-        _check_optimizer(path, metadata, model, optimizer, meta["optimizer"])
+        _check_optimizer(path, metadata, optimizer, meta["optimizer"])
 
+    fresh = optimizer is not None and not optimizer.state
     if optimizer is not None:
         _init_optimizer_state(optimizer)
     state = _state(model, optimizer)
     if optimizer is not None:
-        _check_optimizer_keys(path, metadata, model, optimizer, state[_OPTIM])
-    dcp.load(state, checkpoint_id=path)  # in place into the sharded params and optimizer state
+        try:
+            _check_optimizer_keys(path, metadata, state[_OPTIM])
+        except ValueError:
+            if fresh:  # leave the optimizer as it came: without state
+                optimizer.state.clear()
+            raise
+    dcp.load(state, checkpoint_id=path, no_dist=_single())  # in place, into params and state
     if optimizer is not None:
         _apply_optimizer_state(model, optimizer, state[_OPTIM])
     logger.info("loaded checkpoint of step %d from %s", meta["step"], path)
@@ -222,7 +229,10 @@ def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
         if p in optimizer.state
     }
     groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
+        {
+            **{k: v for k, v in group.items() if k != "params"},
+            "params": [names[id(p)] for p in group["params"]],
+        }
         for group in optimizer.param_groups
     ]
     return {"state": per_param, "param_groups": groups}
@@ -372,7 +382,6 @@ def _check_model_keys(path: str, metadata: Metadata, model: nn.Module) -> None:
 def _check_optimizer(
     path: str,
     metadata: Metadata,
-    model: nn.Module,
     optimizer: torch.optim.Optimizer,
     saved_type: str | None,
 ) -> None:
@@ -387,17 +396,11 @@ def _check_optimizer(
     if saved_type != type(optimizer).__name__:
         raise ValueError(
             f"fczero.checkpoint: {path!r} holds {saved_type} state, but the optimizer is "
-            f"{type(optimizer).__name__}; build a {saved_type} (or load without the optimizer)."
+            f"{type(optimizer).__name__}; build the optimizer as when saving (or load without it)."
         )
 
 
-def _check_optimizer_keys(
-    path: str,
-    metadata: Metadata,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    optim_sd: dict[str, Any],
-) -> None:
+def _check_optimizer_keys(path: str, metadata: Metadata, optim_sd: dict[str, Any]) -> None:
     """Every tensor of the (initialized) optimizer's state is in the checkpoint, same shape."""
     saved = metadata.state_dict_metadata
     missing = []
@@ -427,6 +430,11 @@ def _rank() -> int:
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _single() -> bool:
+    """No process group: DCP reads and writes as one process."""
+    return not dist.is_initialized()
 
 
 def _barrier() -> None:

