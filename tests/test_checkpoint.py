@@ -63,16 +63,43 @@ def _train_segment(rank, world_size, steps, load_from, save_to):
         losses.append(total.item() / world_size)
     if save_to is not None:
         checkpoint.save(save_to, model, opt, step=start + steps, extra={"world": world_size})
-    return losses, checkpoint.full_state_dict(model)
+    exported = checkpoint.full_state_dict(model)
+    if load_from is not None and save_to is None:
+        _failed_save_over(load_from, model, opt, rank, start)
+    return losses, exported
+
+
+def _failed_save_over(path, model, opt, rank, step):
+    """Rank 1's writes fail while saving over ``path``: every rank raises, none hangs, and
+    ``path`` still loads the checkpoint of ``step``."""
+    import torch.distributed as dist
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full (injected)")
+
+    original = dcp.FileSystemWriter.write_data
+    if rank == 1:
+        dcp.FileSystemWriter.write_data = crash
+    try:
+        checkpoint.save(path, model, opt, step=99)
+        raise AssertionError("the save should have failed")
+    except CheckpointException as e:
+        assert "disk full (injected)" in repr(e)
+    finally:
+        dcp.FileSystemWriter.write_data = original
+    dist.barrier()
+    assert checkpoint.load(path, model, opt).step == step
 
 
 def test_resume_across_world_sizes_matches_one_uninterrupted_process(tmp_path):
-    """2 ranks train 2 steps and save; 4 ranks resume for 2 and save; 2 ranks finish."""
+    """2 ranks train 2 steps and save; 4 ranks resume for 2 and save; 2 ranks finish, export
+    the full state dict, then fail to save over the 4 ranks' checkpoint (rank 1's writes
+    raise), which still loads."""
     ref_losses, ref_model = _reference()
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     first = run_on_ranks(_train_segment, 2, 2, None, a)
     second = run_on_ranks(_train_segment, 4, 2, a, b)
-    third = run_on_ranks(_train_segment, 2, 2, b, None)
+    third = run_on_ranks(_train_segment, 2, 2, b, None)  # then fails to save over b
     losses = first[0][0] + second[0][0] + third[0][0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     assert ref_losses[-1] < ref_losses[0]  # it trained
