@@ -133,7 +133,7 @@ def _losses(summary: dict) -> dict[int, float]:
 
 def test_killed_run_resumes_to_the_uninterrupted_losses(tmp_path):
     """SIGKILL of one rank after step 10; the restart from the step-8 checkpoint reaches the
-    uninterrupted run's losses at every step after it."""
+    uninterrupted run's losses at every step after it. Then 4 ranks resume its checkpoint."""
     common = ("--steps", "12", "--log-every", "1")
     _, whole = _run_main_job(*TINY, *common, tmp_path=tmp_path)
 
@@ -153,6 +153,24 @@ def test_killed_run_resumes_to_the_uninterrupted_losses(tmp_path):
     for step, loss in resumed["losses"]:
         assert loss == pytest.approx(expected[step], rel=1e-6, abs=1e-7), step
     assert "saved checkpoint of step 12" in proc.stdout
+
+    # the main job resumes the 2 ranks' checkpoint on 4 ranks (and says what changed)
+    proc, wider = _run_main_job(
+        *TINY,
+        "--steps",
+        "14",
+        "--log-every",
+        "1",
+        "--nproc",
+        "4",
+        "--resume",
+        ckpt,
+        tmp_path=tmp_path,
+    )
+    assert f"resumed from {ckpt} at step 12 (saved by 2 ranks)" in proc.stdout
+    assert "note: resumed with other settings than the saved run (--steps 12 -> 14)" in proc.stdout
+    assert wider["world_size"] == 4 and [s for s, _ in wider["losses"]] == [13, 14]
+    assert abs(wider["losses"][0][1] - expected[12]) < 0.5  # continues the curve, not from scratch
 
 
 def test_resume_flags_are_checked_before_launching(tmp_path, capsys):
@@ -216,3 +234,15 @@ def test_200_steps_track_the_single_process_reference(mode, tmp_path):
     assert [step for step, _ in summary["losses"]] == list(range(1, 201))
     assert expected[-1] < expected[0] - 3.0  # the curve is not flat (about 6.1 -> 2.2)
     torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_window_sampler_skip_continues_the_stream():
+    tokens = encode(load_corpus())
+    whole = WindowSampler(tokens, batch_size=4, seq_len=8, seed=2, rank=1)
+    batches = [whole.next_batch() for _ in range(5)]
+    resumed = WindowSampler(tokens, batch_size=4, seq_len=8, seed=2, rank=1)
+    resumed.skip(3)
+    assert torch.equal(resumed.next_batch(), batches[3])
+    assert torch.equal(resumed.next_batch(), batches[4])
+    with pytest.raises(ValueError, match=">= 0"):
+        resumed.skip(-1)
