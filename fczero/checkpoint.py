@@ -20,10 +20,13 @@ filesystem under ``path`` must be one that every rank sees (as DCP requires).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,7 +114,8 @@ def save(
         "optimizer": type(optimizer).__name__ if optimizer is not None else None,
     }
     # dcp.save returns on every rank only once rank 0 has written the metadata (last).
-    dcp.save(state, checkpoint_id=partial, no_dist=_single())
+    with _quiet_single_process():
+        dcp.save(state, checkpoint_id=partial, no_dist=_single())
 
     if rank0:
         shutil.rmtree(old, ignore_errors=True)
@@ -146,7 +150,8 @@ def load(
     metadata = dcp.FileSystemReader(path).read_metadata()
     _check_model_keys(path, metadata, model)
     record = {_META: {"format": 0, "step": 0, "world_size": 0, "extra": "{}", "optimizer": None}}
-    dcp.load(record, checkpoint_id=path, no_dist=_single())
+    with _quiet_single_process():
+        dcp.load(record, checkpoint_id=path, no_dist=_single())
     meta = record[_META]
     if optimizer is not None:
         _check_optimizer(path, metadata, optimizer, meta["optimizer"])
@@ -162,7 +167,8 @@ def load(
             if fresh:  # leave the optimizer as it came: without state
                 optimizer.state.clear()
             raise
-    dcp.load(state, checkpoint_id=path, no_dist=_single())  # in place, into params and state
+    with _quiet_single_process():  # in place, into the params and the optimizer state
+        dcp.load(state, checkpoint_id=path, no_dist=_single())
     if optimizer is not None:
         _apply_optimizer_state(model, optimizer, state[_OPTIM])
     logger.info("loaded checkpoint of step %d from %s", meta["step"], path)
@@ -435,6 +441,15 @@ def _world_size() -> int:
 def _single() -> bool:
     """No process group: DCP reads and writes as one process."""
     return not dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """Without a process group DCP warns, on every call, that it assumes one process; that
+    is the intent here, so the warning is dropped (others pass)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
+        yield
 
 
 def _barrier() -> None:
