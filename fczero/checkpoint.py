@@ -117,14 +117,31 @@ def save(
     with _quiet_single_process():
         dcp.save(state, checkpoint_id=partial, no_dist=_single())
 
-    if rank0:
+    error = _put_in_place(partial, path, old) if rank0 else None
+    if dist.is_initialized():  # every rank returns, or raises, once the checkpoint is in place
+        shared = [error]
+        dist.broadcast_object_list(shared, src=0)
+        error = shared[0]
+    if error is not None:
+        raise OSError(
+            f"fczero.checkpoint.save: the checkpoint was written to {partial!r} but could not "
+            f"be moved to {path!r} ({error}); the previous checkpoint, if any, is untouched "
+            f"or at {old!r}. Check the directory's permissions and free space."
+        )
+    logger.info("saved checkpoint of step %d to %s", step, path)
+
+
+def _put_in_place(partial: str, path: str, old: str) -> str | None:
+    """Rank 0: ``partial`` becomes ``path`` (see the module docstring); the error, if any."""
+    try:
         shutil.rmtree(old, ignore_errors=True)
         if os.path.exists(path):
             os.rename(path, old)
         os.rename(partial, path)
         shutil.rmtree(old, ignore_errors=True)
-    _barrier()  # no rank returns before the checkpoint is in place
-    logger.info("saved checkpoint of step %d to %s", step, path)
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def load(

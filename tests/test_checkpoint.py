@@ -251,6 +251,21 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, caplog
     assert info.step == 1 and info.path == f"{path}.old"
     assert "loading the previous one" in caplog.text
 
+    real_rename = os.rename
+
+    def failing_rename(src, dst):
+        if str(src).endswith(".partial"):
+            raise PermissionError("read-only (injected)")
+        real_rename(src, dst)
+
+    os.rename(f"{path}.old", path)
+    with monkeypatch.context() as m:  # the final rename fails: a clear error, nothing lost
+        m.setattr(os, "rename", failing_rename)
+        with pytest.raises(OSError, match=r"could not be moved to .*read-only \(injected\)"):
+            checkpoint.save(path, model, opt, step=2)
+    assert not os.path.exists(path) and os.path.isdir(f"{path}.old")  # moved aside, intact
+    assert checkpoint.load(path, fresh).step == 1  # through the fallback
+
     checkpoint.save(path, model, opt, step=2)  # the next save succeeds and cleans up
     assert sorted(os.listdir(tmp_path)) == ["c", "nothing.partial"]
     assert checkpoint.load(path, fresh).step == 2
