@@ -5,6 +5,7 @@ and reduces are traceable functional collectives, so plain ``torch.compile`` see
 (and can schedule) the communication.
 """
 
+from fczero import checkpoint
 from fczero.accumulation import no_sync, set_requires_gradient_sync
 from fczero.api import is_parallelized, parallelize
 from fczero.config import ShardingOptions
@@ -12,6 +13,7 @@ from fczero.stages import refresh_params
 
 __all__ = [
     "ShardingOptions",
+    "checkpoint",
     "is_parallelized",
     "no_sync",
     "parallelize",

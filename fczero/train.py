@@ -11,6 +11,12 @@ torchrun it trains. Each rank builds the same model from ``--seed``, shards it w
 random windows of the corpus (``fczero.data``). Rank 0 prints one line every
 ``--log-every`` steps (loss averaged over the window and the ranks, global tokens/s,
 peak memory) and a one-line summary at the end.
+
+``--save DIR`` writes a checkpoint (``fczero.checkpoint``: model, optimizer, LR
+schedule, step) every ``--save-every`` steps and at the end; ``--resume DIR`` loads
+one and continues from its step, at any world size, with each rank's data stream
+moved past the batches already seen, so that a resumed run at the same world size
+reproduces the uninterrupted run's losses.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import json
 import math
 import os
 import resource
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -32,6 +39,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fczero
+from fczero import checkpoint
 from fczero.data import VOCAB_SIZE, WindowSampler, encode, load_corpus
 from fczero.models import Llama, LlamaConfig
 
@@ -101,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     sharding = p.add_argument_group("fczero")
     sharding.add_argument("--compile", action="store_true", help="torch.compile(model) (Inductor)")
     sharding.add_argument(
+        "--compile-backend",
+        choices=("inductor", "aot_eager"),
+        default="inductor",
+        help="backend of --compile: inductor, or aot_eager (the same graphs run without "
+        "code generation or fczero's Inductor passes; compiles in seconds) (%(default)s)",
+    )
+    sharding.add_argument(
         "--param-dtype",
         choices=sorted(_DTYPES),
         default=None,
@@ -122,6 +137,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-every", type=int, default=10, help="print a line every N steps (%(default)s)"
     )
     out.add_argument("--json", metavar="PATH", default=None, help="write the summary here (rank 0)")
+    ckpt = p.add_argument_group("checkpoints")
+    ckpt.add_argument(
+        "--save",
+        metavar="DIR",
+        default=None,
+        help="write a checkpoint to DIR at the end (and every --save-every steps); "
+        "the previous one there is replaced only once the new one is complete",
+    )
+    ckpt.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also checkpoint every N steps (0: only at the end) (%(default)s)",
+    )
+    ckpt.add_argument(
+        "--resume",
+        metavar="DIR",
+        default=None,
+        help="load the checkpoint in DIR and continue from its step (any world size)",
+    )
+    # Fault injection for the restart test: the last rank SIGKILLs itself after step N.
+    ckpt.add_argument("--crash-at-step", type=int, default=0, help=argparse.SUPPRESS)
     return p
 
 
@@ -137,6 +175,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--nproc {args.nproc} is more than the {torch.cuda.device_count()} GPUs")
     if args.dim % args.heads:
         parser.error(f"--dim {args.dim} must be divisible by --heads {args.heads}")
+    if args.save_every < 0:
+        parser.error("--save-every must be >= 0")
+    if args.save_every and not args.save:
+        parser.error("--save-every needs --save DIR")
+    if args.resume and not any(
+        os.path.exists(os.path.join(d, ".metadata")) for d in (args.resume, args.resume + ".old")
+    ):
+        parser.error(f"--resume {args.resume}: no checkpoint there (a --save directory)")
     return args
 
 
@@ -303,7 +349,7 @@ def _train_loop(
     rank, world = dist.get_rank(), dist.get_world_size()
     is_main = rank == 0
     model = _build_model(args, mesh)
-    forward = torch.compile(model) if args.compile else model
+    forward = torch.compile(model, backend=args.compile_backend) if args.compile else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_schedule(args.steps))
     sampler = WindowSampler(
@@ -314,6 +360,7 @@ def _train_loop(
         rank=rank,
         device=device,
     )
+    start_step = _resume(args, model, optimizer, scheduler, sampler) if args.resume else 0
     n_params = sum(p.numel() for p in model.parameters())  # DTensor numel: the global size
     tokens_per_step = args.batch_size * args.seq_len * world
     if is_main:
@@ -322,14 +369,18 @@ def _train_loop(
     losses: list[tuple[int, float]] = []
     meter = _LossMeter(device)
     window_start, warm_start = time.perf_counter(), None
-    for step in range(1, args.steps + 1):
+    for step in range(start_step + 1, args.steps + 1):
         loss = _next_token_loss(forward, sampler.next_batch())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         meter.add(loss)
-        if step == 1 or step % args.log_every == 0 or step == args.steps:
+        if args.save and (step == args.steps or (args.save_every and step % args.save_every == 0)):
+            _save(args, model, optimizer, scheduler, step)
+        if step == args.crash_at_step and rank == world - 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # see --crash-at-step
+        if step == start_step + 1 or step % args.log_every == 0 or step == args.steps:
             window_steps = meter.steps
             mean_loss = meter.mean(world)
             _sync(device)
@@ -339,14 +390,14 @@ def _train_loop(
                 tok_s = tokens_per_step * window_steps / (now - window_start)
                 mem, kind = _peak_memory(device)
                 print(_step_line(step, args.steps, mean_loss, tok_s, mem, kind), flush=True)
-            if step == 1:
+            if step == start_step + 1:
                 warm_start = now
             window_start = time.perf_counter()
     _sync(device)
     end = time.perf_counter()
 
     mem, kind = _peak_memory(device)
-    warm_steps = args.steps - 1
+    warm_steps = args.steps - start_step - 1
     summary = Summary(
         steps=args.steps,
         world_size=world,
@@ -368,6 +419,59 @@ def _train_loop(
             with open(args.json, "w") as f:
                 json.dump(asdict(summary), f, indent=2)
     return summary
+
+
+_RUN_ARGS = ("steps", "lr", "seed", "batch_size", "seq_len")
+
+
+def _save(
+    args: argparse.Namespace,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    step: int,
+) -> None:
+    extra = {
+        "scheduler": scheduler.state_dict(),
+        "run": {name: getattr(args, name) for name in _RUN_ARGS},
+    }
+    checkpoint.save(args.save, model, optimizer, step=step, extra=extra)
+    if dist.get_rank() == 0:
+        print(f"saved checkpoint of step {step} to {args.save}", flush=True)
+
+
+def _resume(
+    args: argparse.Namespace,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    sampler: WindowSampler,
+) -> int:
+    """Load ``--resume``; return its step. Every rank gets the same answer or error."""
+    info = checkpoint.load(args.resume, model, optimizer)
+    if info.step >= args.steps:
+        raise ValueError(
+            f"--resume {args.resume}: the checkpoint is at step {info.step}, not before "
+            f"--steps {args.steps}; pass a larger --steps."
+        )
+    scheduler.load_state_dict(info.extra["scheduler"])
+    sampler.skip(info.step)
+    changed = {
+        name: (value, getattr(args, name))
+        for name, value in info.extra.get("run", {}).items()
+        if getattr(args, name) != value
+    }
+    if dist.get_rank() == 0:
+        print(
+            f"resumed from {info.path} at step {info.step} (saved by {info.world_size} ranks)",
+            flush=True,
+        )
+        if changed:
+            diffs = ", ".join(
+                f"--{k.replace('_', '-')} {a} -> {b}" for k, (a, b) in changed.items()
+            )
+            print(f"note: resumed with other settings than the saved run ({diffs})", flush=True)
+    return info.step
 
 
 def _header(

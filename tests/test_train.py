@@ -14,16 +14,19 @@ import torch
 
 from fczero import train
 from fczero.data import VOCAB_SIZE, WindowSampler, decode, encode, load_corpus
+from fczero.models import Llama
 
 
-def _run_main_job(*args: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
+def _run_main_job(
+    *args: str, tmp_path: Path, timeout: int = 180
+) -> tuple[subprocess.CompletedProcess, dict]:
     summary_path = tmp_path / "summary.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(
         [sys.executable, "-m", "fczero.train", "--nproc", "2", "--json", str(summary_path), *args],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=timeout,
         env=env,
         check=False,
     )
@@ -105,3 +108,141 @@ def test_window_sampler_covers_the_last_window():
     assert torch.equal(batch, tokens.expand(256, 10))
     with pytest.raises(ValueError, match="too few"):
         WindowSampler(tokens, batch_size=1, seq_len=10)
+
+
+# -- checkpoints, restarts and long-run numerics --------------------------------------------
+
+TINY = ("--dim", "32", "--layers", "1", "--heads", "2", "--seq-len", "16", "--batch-size", "4")
+
+
+def _launch(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run(
+        [sys.executable, "-m", "fczero.train", "--nproc", "2", *TINY, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+
+
+def _losses(summary: dict) -> dict[int, float]:
+    return {step: loss for step, loss in summary["losses"]}
+
+
+def test_killed_run_resumes_to_the_uninterrupted_losses(tmp_path):
+    """SIGKILL of one rank after step 10; the restart from the step-8 checkpoint reaches the
+    uninterrupted run's losses at every step after it. Then 4 ranks resume its checkpoint."""
+    common = ("--steps", "12", "--log-every", "1")
+    _, whole = _run_main_job(*TINY, *common, tmp_path=tmp_path)
+
+    ckpt = str(tmp_path / "ckpt")
+    killed = _launch(*common, "--save", ckpt, "--save-every", "4", "--crash-at-step", "10")
+    assert killed.returncode != 0, killed.stdout
+    assert "saved checkpoint of step 8" in killed.stdout, killed.stdout + killed.stderr
+    assert "step 10/12" not in killed.stdout  # rank 1 died before step 10 was logged
+    assert "rank 1 failed first (exit code -9)" in killed.stderr, killed.stderr
+
+    proc, resumed = _run_main_job(
+        *TINY, *common, "--resume", ckpt, "--save", ckpt, tmp_path=tmp_path
+    )
+    assert f"resumed from {ckpt} at step 8 (saved by 2 ranks)" in proc.stdout
+    assert [step for step, _ in resumed["losses"]] == [9, 10, 11, 12]
+    expected = _losses(whole)
+    for step, loss in resumed["losses"]:
+        assert loss == pytest.approx(expected[step], rel=1e-6, abs=1e-7), step
+    assert "saved checkpoint of step 12" in proc.stdout
+
+    # the main job resumes the 2 ranks' checkpoint on 4 ranks (and says what changed)
+    proc, wider = _run_main_job(
+        *TINY,
+        "--steps",
+        "14",
+        "--log-every",
+        "1",
+        "--nproc",
+        "4",
+        "--resume",
+        ckpt,
+        tmp_path=tmp_path,
+    )
+    assert f"resumed from {ckpt} at step 12 (saved by 2 ranks)" in proc.stdout
+    assert "note: resumed with other settings than the saved run (--steps 12 -> 14)" in proc.stdout
+    assert wider["world_size"] == 4 and [s for s, _ in wider["losses"]] == [13, 14]
+    assert abs(wider["losses"][0][1] - expected[12]) < 0.5  # continues the curve, not from scratch
+
+
+def test_resume_flags_are_checked_before_launching(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--resume", str(tmp_path / "none")])
+    assert "no checkpoint there" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train.main(["--save-every", "5"])
+    assert "--save-every needs --save" in capsys.readouterr().err
+
+
+def _reference_losses(steps: int, seed: int = 0, lr: float = 3e-3) -> list[float]:
+    """The main job's recipe in one process on the 2 ranks' batches together (whole batch)."""
+    args = train.build_parser().parse_args([*TINY, "--steps", str(steps)])
+    torch.manual_seed(seed)
+    model = Llama(train._model_config(args))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, train._lr_schedule(steps))
+    tokens = encode(load_corpus())
+    samplers = [
+        WindowSampler(tokens, batch_size=args.batch_size, seq_len=args.seq_len, seed=seed, rank=r)
+        for r in range(2)
+    ]
+    losses = []
+    for _ in range(steps):
+        batch = torch.cat([s.next_batch() for s in samplers])  # rank 0's rows, then rank 1's
+        loss = train._next_token_loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+_COMPILE_FLAGS = {
+    "eager": (),
+    "aot_eager": ("--compile", "--compile-backend", "aot_eager"),
+    "inductor": ("--compile",),
+}
+
+
+@pytest.mark.parametrize(
+    "mode", ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
+)
+def test_200_steps_track_the_single_process_reference(mode, tmp_path):
+    """Issue 7.4: the main job at world size 2 follows one process's loss curve for 200 steps
+    (measured: at most 1e-6 apart, eager and aot_eager, torch 2.13 CPU)."""
+    _, summary = _run_main_job(
+        *TINY,
+        "--steps",
+        "200",
+        "--log-every",
+        "1",
+        *_COMPILE_FLAGS[mode],
+        tmp_path=tmp_path,
+        timeout=600,
+    )
+    actual = [loss for _, loss in summary["losses"]]
+    expected = _reference_losses(200)
+    assert [step for step, _ in summary["losses"]] == list(range(1, 201))
+    assert expected[-1] < expected[0] - 3.0  # the curve is not flat (about 6.1 -> 2.2)
+    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_window_sampler_skip_continues_the_stream():
+    tokens = encode(load_corpus())
+    whole = WindowSampler(tokens, batch_size=4, seq_len=8, seed=2, rank=1)
+    batches = [whole.next_batch() for _ in range(5)]
+    resumed = WindowSampler(tokens, batch_size=4, seq_len=8, seed=2, rank=1)
+    resumed.skip(3)
+    assert torch.equal(resumed.next_batch(), batches[3])
+    assert torch.equal(resumed.next_batch(), batches[4])
+    with pytest.raises(ValueError, match=">= 0"):
+        resumed.skip(-1)

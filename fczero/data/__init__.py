@@ -8,7 +8,8 @@ and ``decode(encode(text)) == text`` for any UTF-8 string.
 A batch is ``batch_size`` random windows of ``seq_len + 1`` consecutive tokens,
 (B, T+1): the model reads ``[:, :-1]`` and predicts ``[:, 1:]``. Every rank draws
 from its own seeded generator (``seed + rank``), so ranks see different batches and a
-rerun with the same seed sees the same ones.
+rerun with the same seed sees the same ones; ``skip(n)`` moves a fresh sampler past
+the first ``n`` batches, which is how a resumed run continues its data where it stopped.
 """
 
 from __future__ import annotations
@@ -84,3 +85,11 @@ class WindowSampler:
         starts = torch.randint(n_starts, (self.batch_size,), generator=self.generator)  # (B,)
         batch = self.tokens[starts[:, None] + self._offsets]  # (B, T+1)
         return batch.to(self.device, non_blocking=True)
+
+    def skip(self, batches: int) -> None:
+        """Advance past ``batches`` batches without building them (a resumed run's data)."""
+        if batches < 0:
+            raise ValueError(f"batches must be >= 0, got {batches}.")
+        n_starts = self.tokens.numel() - self.seq_len
+        for _ in range(batches):  # the same draws as next_batch, so the stream continues exactly
+            torch.randint(n_starts, (self.batch_size,), generator=self.generator)
