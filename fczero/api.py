@@ -9,12 +9,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from fczero import prefetch as eager_prefetch
 from fczero import resharding
 from fczero.config import ShardingOptions
+from fczero.meshes import MeshLayout, resolve_mesh
 from fczero.passes import registry
 from fczero.passes.install import install
 from fczero.sharding import (
@@ -40,6 +40,7 @@ def parallelize(
     reduce_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
     axis: str | int | None = None,
+    replicate_axis: str | int | None = None,
     compile_passes: bool = True,
     bucket_bytes: int = 128 * 2**20,
     prefetch: int = 1,
@@ -62,9 +63,11 @@ def parallelize(
         model: the module to shard; every rank must pass the same architecture with
             the same initial values (as with DDP and FSDP2).
         mesh: a ``DeviceMesh``; with more than one axis, name the data-parallel one
-            with ``axis``.
-        param_dtype, reduce_dtype, reshard_after_forward, axis, compile_passes,
-        bucket_bytes, prefetch, memory_budget: see :class:`fczero.ShardingOptions`
+            with ``axis`` (and, for HSDP, the replicate one with ``replicate_axis``).
+            Params that are already tensor-parallel DTensors must live on other axes
+            of this same mesh (``fczero.meshes``).
+        param_dtype, reduce_dtype, reshard_after_forward, axis, replicate_axis,
+        compile_passes, bucket_bytes, prefetch, memory_budget: see :class:`fczero.ShardingOptions`
             (one docstring per field).
 
     Returns:
@@ -79,20 +82,24 @@ def parallelize(
         reduce_dtype=reduce_dtype,
         reshard_after_forward=reshard_after_forward,
         axis=axis,
+        replicate_axis=replicate_axis,
         compile_passes=compile_passes,
         bucket_bytes=bucket_bytes,
         prefetch=prefetch,
         memory_budget=memory_budget,
         **unknown,
     )
-    dp_mesh = _data_parallel_mesh(mesh, options.axis)
-    owners = _validate_model(model)
+    layout = resolve_mesh(mesh, options.axis, options.replicate_axis)
+    dp_mesh = layout.shard_mesh
+    owners = _validate_model(model, layout)
 
     specs_by_param: dict[int, tuple[nn.Parameter, ShardSpec]] = {}
     wiring: dict[nn.Module, dict[str, ShardSpec]] = {}
     for module, name, param in owners:
         if id(param) not in specs_by_param:  # a param shared by several modules is sharded once
-            specs_by_param[id(param)] = shard_tensor(param, dp_mesh, options, param.requires_grad)
+            specs_by_param[id(param)] = shard_tensor(
+                param, dp_mesh, options, param.requires_grad, layout.for_param(param)
+            )
         sharded, spec = specs_by_param[id(param)]
         module._parameters[name] = sharded
         wiring.setdefault(module, {})[name] = spec
@@ -115,10 +122,11 @@ def parallelize(
     model.register_forward_pre_hook(_root_pre_forward, with_kwargs=True)
     model.register_forward_hook(_root_post_forward, always_call=True)
     logger.info(
-        "parallelized %s: %d params over %d ranks (%s)",
+        "parallelized %s: %d params over %d ranks%s (%s)",
         type(model).__name__,
         len(specs_by_param),
         dp_mesh.size(),
+        f" x {mesh.size() // dp_mesh.size()} replicas" if layout.replicate_axis else "",
         options,
     )
     return model
@@ -129,41 +137,7 @@ def is_parallelized(model: nn.Module) -> bool:
     return any(hasattr(m, MANAGED_ATTR) or hasattr(m, ROOT_ATTR) for m in model.modules())
 
 
-def _data_parallel_mesh(mesh: DeviceMesh, axis: str | int | None) -> DeviceMesh:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(
-            "fczero.parallelize needs a DeviceMesh, e.g. "
-            "torch.distributed.device_mesh.init_device_mesh('cuda', (world_size,)); "
-            f"got {type(mesh).__name__}."
-        )
-    names = mesh.mesh_dim_names
-    if mesh.ndim == 1:
-        if axis not in (None, 0) and not (names and axis == names[0]):
-            raise ValueError(
-                f"fczero: axis={axis!r} is not an axis of this 1-d mesh (axis names: "
-                f"{names or 'none'}); leave axis unset."
-            )
-        return mesh
-    if axis is None:
-        raise ValueError(
-            f"fczero: the mesh has {mesh.ndim} axes (names: {names or 'none'}); say which one is "
-            "data-parallel with parallelize(..., axis=<name or index>)."
-        )
-    if isinstance(axis, int):
-        if not 0 <= axis < mesh.ndim:
-            raise ValueError(f"fczero: axis={axis} is out of range for a {mesh.ndim}-axis mesh.")
-        if not names:
-            raise ValueError(
-                "fczero: pick an axis of a multi-axis mesh by name; build the mesh with "
-                "mesh_dim_names=(...)."
-            )
-        axis = names[axis]
-    if not names or axis not in names:
-        raise ValueError(f"fczero: axis={axis!r} is not one of the mesh's axes {names}.")
-    return mesh[axis]
-
-
-def _validate_model(model: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
+def _validate_model(model: nn.Module, layout: MeshLayout) -> list[tuple[nn.Module, str, nn.Parameter]]:
     """Every (module, name, param) triple, after checking that fczero can shard them all."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fczero.parallelize needs an nn.Module, got {type(model).__name__}.")
@@ -178,12 +152,7 @@ def _validate_model(model: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter
             if param is None:
                 continue
             qualified = f"{module_name}.{name}" if module_name else name
-            if isinstance(param, DTensor):
-                raise ValueError(
-                    f"fczero: parameter {qualified!r} is already a DTensor; fczero shards "
-                    "plain parameters only (composition with tensor parallelism is not "
-                    "supported yet)."
-                )
+            layout.check_param(qualified, param)  # a DTensor must be tensor-parallel here
             if not param.dtype.is_floating_point:
                 raise TypeError(
                     f"fczero: parameter {qualified!r} has dtype {param.dtype}; only floating "

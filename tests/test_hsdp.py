@@ -1,0 +1,139 @@
+"""HSDP: params sharded over one mesh axis, replicated over the other (world size 4, gloo).
+
+Numerics are checked against one process training the whole batch; the layout of
+the sharded params (a 2-d DTensor, ``(Replicate(), Shard(0))``) and the compiled
+graphs (reduce-scatter over the shard group, then all-reduce over the replicate
+group, bucketing intact) are checked directly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import AotEagerAndRecordGraphs
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+import fczero
+from fczero.passes import run_passes
+from fczero.passes.registry import settings_for_graph
+from fczero.testing import parity
+from fczero.testing.distributed import run_on_ranks
+from fczero.testing.graphs import collective_sequence
+from tests.models import ThreeBlocks, UnevenTiedMLP, mlp_batches, tiny_llama, token_batches
+
+HSDP = {
+    "mesh_shape": (2, 2),
+    "mesh_dim_names": ("replicate", "shard"),
+    "data_axes": ("replicate", "shard"),
+    "axis": "shard",
+    "replicate_axis": "replicate",
+}
+
+CASES = {
+    # uneven rows, a 0-d param, a tied weight, a frozen param
+    "mlp-sgd-eager": (UnevenTiedMLP, mlp_batches, parity.mse, "sgd", None),
+    "llama-adamw-eager": (tiny_llama, token_batches, parity.cross_entropy, "adamw", None),
+    "mlp-adamw-compiled": (
+        UnevenTiedMLP,
+        mlp_batches,
+        parity.mse,
+        "adamw",
+        "aot_eager_with_passes",
+    ),
+}
+LR = {"sgd": 0.05, "adamw": 0.01}
+
+
+def _layout_facts(model: torch.nn.Module) -> dict[str, object]:
+    """What each sharded param and its grad look like after one backward (this rank)."""
+    facts = {}
+    for name, p in model.named_parameters():
+        facts[name] = (
+            tuple(p.device_mesh.mesh_dim_names),
+            tuple(p.placements),
+            None if p.grad is None else tuple(p.grad.placements),
+        )
+    return facts
+
+
+def _run_all(rank: int, world_size: int) -> dict[str, object]:
+    results: dict[str, object] = {}
+    for key, (build, batches, criterion, optimizer, backend) in CASES.items():
+        results[key] = parity.train_parallel(
+            rank,
+            world_size,
+            build,
+            batches(),
+            criterion,
+            optimizer=optimizer,
+            lr=LR[optimizer],
+            compile_backend=backend,
+            **HSDP,
+        )
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = fczero.parallelize(UnevenTiedMLP(), mesh, axis="shard", replicate_axis="replicate")
+    model(torch.randn(4, 5)).sum().backward()
+    results["layout"] = _layout_facts(model)
+    results["state_dict"] = {
+        k: (tuple(v.placements), tuple(v.to_local().shape)) for k, v in model.state_dict().items()
+        if hasattr(v, "placements")
+    }
+    return results
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_on_ranks(_run_all, 4)
+
+
+@pytest.mark.parametrize("key", list(CASES))
+def test_hsdp_matches_single_process_reference(ranks, key):
+    build, batches, criterion, optimizer, _ = CASES[key]
+    expected = parity.train_reference(build, batches(), criterion, optimizer=optimizer, lr=LR[optimizer])
+    for rank_result in ranks:
+        parity.assert_close(rank_result[key], expected, rtol=2e-4, atol=2e-5)
+    torch.manual_seed(0)
+    initial = dict(build().named_parameters())
+    moved = [n for n, p in expected.params.items() if not torch.allclose(p, initial[n], atol=1e-3)]
+    assert len(moved) >= len(expected.params) - 1  # real training (all but the frozen param)
+
+
+def test_sharded_params_are_replicate_shard_dtensors(ranks):
+    layout = ranks[0]["layout"]
+    mesh_axes = ("replicate", "shard")
+    assert layout["inp.weight"] == (mesh_axes, (Replicate(), Shard(0)), (Replicate(), Shard(0)))
+    assert layout["scale"] == (mesh_axes, (Replicate(), Replicate()), (Replicate(), Replicate()))
+    assert layout["frozen.weight"][2] is None  # no grad for a frozen param
+    # 13 rows over the 2 shard ranks: 7 + 6, the same on both replicas
+    shapes = [r["state_dict"]["inp.weight"][1] for r in ranks]
+    assert shapes == [(7, 5), (6, 5), (7, 5), (6, 5)]
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True)
+def test_compiled_backward_reduce_scatters_then_all_reduces(fake_pg):
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = fczero.parallelize(ThreeBlocks(dim=64), mesh, axis="shard", replicate_axis="replicate")
+    backend = AotEagerAndRecordGraphs()
+    torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 64)).sum().backward()
+    (bw,) = backend.bw_graphs
+    shard = mesh["shard"].get_group().group_name
+    replicate = mesh["replicate"].get_group().group_name
+    groups = {
+        n.target.__name__.split(".")[0]: n.args[-1]
+        for n in bw.graph.nodes
+        if n.op == "call_function" and n.target.__name__.split(".")[0] in ("reduce_scatter_tensor", "all_reduce")
+    }
+    assert groups == {"reduce_scatter_tensor": shard, "all_reduce": replicate}
+    before = collective_sequence(bw)
+    assert before.count("reduce_scatter_tensor[32, 64]") == 3  # each block's weight, halved
+    assert before.count("all_reduce[32, 64]") == 3
+    settings = settings_for_graph(bw.graph)
+    assert settings is not None and settings.groups == {shard}  # the replicate group is not fczero's
+    after = collective_sequence(run_passes(bw))
+    # bucketing merges the reduce-scatters (all params fit in one bucket) and leaves
+    # each param's all-reduce, now fed by its piece of the bucket, in place
+    assert sum(op.startswith("reduce_scatter_tensor") for op in after) == 1
+    assert sum(op.startswith("all_reduce") for op in after) == 7  # 3 weights, 3 biases, head
