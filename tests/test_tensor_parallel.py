@@ -1,0 +1,210 @@
+"""Tensor parallelism (``parallelize_module``) on one mesh axis, fczero on the other.
+
+World size 4 on gloo: a (dp=2, tp=2) mesh. Numerics against one process training
+the whole batch; the sharded params' 2-d layout; and the errors for a mesh that
+does not match the tensor-parallel layout (all raised before anything changes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import fczero
+from fczero.testing import parity
+from fczero.testing.distributed import run_on_ranks
+from tests.models import TINY_LLAMA, mlp_batches, tiny_llama, token_batches
+
+
+class TensorParallelMLP(nn.Module):
+    """Plain linears around a column-wise / row-wise pair (30 hidden rows: 15 per tp rank,
+    8 + 7 per dp rank, so the dp split of a tensor-parallel piece is uneven)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 16)
+        self.up = nn.Linear(16, 30)  # ColwiseParallel: weight and bias Shard(0) on tp
+        self.down = nn.Linear(30, 16)  # RowwiseParallel: weight Shard(1), bias Replicate()
+        self.out = nn.Linear(16, 13)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = self.down(torch.relu(self.up(h)))
+        return self.out(torch.tanh(h))
+
+
+def tp_mlp(model: nn.Module, mesh) -> None:
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+
+def tp_llama_ffn(model: nn.Module, mesh) -> None:
+    plan = {}
+    for i in range(TINY_LLAMA.n_layers):
+        plan[f"layers.{i}.mlp.w1"] = ColwiseParallel()
+        plan[f"layers.{i}.mlp.w3"] = ColwiseParallel()
+        plan[f"layers.{i}.mlp.w2"] = RowwiseParallel()
+    parallelize_module(model, mesh["tp"], plan)
+
+
+DP_TP = {
+    "mesh_shape": (2, 2),
+    "mesh_dim_names": ("dp", "tp"),
+    "data_axes": ("dp",),
+    "axis": "dp",
+}
+CASES = {
+    "mlp-sgd-eager": (TensorParallelMLP, mlp_batches, parity.mse, "sgd", tp_mlp, None),
+    "llama-adamw-eager": (
+        tiny_llama,
+        token_batches,
+        parity.cross_entropy,
+        "adamw",
+        tp_llama_ffn,
+        None,
+    ),
+    "mlp-adamw-compiled": (
+        TensorParallelMLP,
+        mlp_batches,
+        parity.mse,
+        "adamw",
+        tp_mlp,
+        "aot_eager_with_passes",
+    ),
+}
+LR = {"sgd": 0.05, "adamw": 0.01}
+
+
+def _run_all(rank: int, world_size: int) -> dict[str, object]:
+    results: dict[str, object] = {}
+    for key, (build, batches, criterion, optimizer, plan, backend) in CASES.items():
+        results[key] = parity.train_parallel(
+            rank,
+            world_size,
+            build,
+            batches(),
+            criterion,
+            optimizer=optimizer,
+            lr=LR[optimizer],
+            compile_backend=backend,
+            prepare=plan,
+            **DP_TP,
+        )
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = TensorParallelMLP()
+    tp_mlp(model, mesh)
+    seen = {}
+    model.up.register_forward_pre_hook(
+        lambda m, args: seen.update(weight=m.weight, placements=m.weight.placements)
+    )
+    fczero.parallelize(model, mesh, axis="dp")
+    model(torch.randn(4, 5)).sum().backward()
+    results["layout"] = {
+        n: (tuple(p.device_mesh.mesh_dim_names), tuple(p.placements), tuple(p.to_local().shape))
+        for n, p in model.named_parameters()
+    }
+    results["grad_placements"] = {n: tuple(p.grad.placements) for n, p in model.named_parameters()}
+    results["module_sees"] = (type(seen["weight"]).__name__, tuple(seen["placements"]))
+    return results
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_on_ranks(_run_all, 4)
+
+
+@pytest.mark.parametrize("key", list(CASES))
+def test_tensor_parallel_matches_single_process_reference(ranks, key):
+    build, batches, criterion, optimizer, _, _ = CASES[key]
+    expected = parity.train_reference(
+        build, batches(), criterion, optimizer=optimizer, lr=LR[optimizer]
+    )
+    for rank_result in ranks:
+        parity.assert_close(rank_result[key], expected, rtol=2e-4, atol=2e-5)
+    torch.manual_seed(0)
+    initial = dict(build().named_parameters())
+    moved = [n for n, p in expected.params.items() if not torch.allclose(p, initial[n], atol=1e-3)]
+    assert len(moved) == len(expected.params)  # real training: every param moved
+
+
+def test_sharded_params_are_dp_tp_dtensors(ranks):
+    layout = ranks[0]["layout"]
+    # column-wise: tp splits rows first, dp splits each tp piece (15 rows -> 8 + 7)
+    assert layout["up.weight"] == (
+        ("dp", "tp"),
+        (_StridedShard(0, split_factor=2), Shard(0)),
+        (8, 16),
+    )
+    assert [r["layout"]["up.weight"][2] for r in ranks] == [(8, 16), (8, 16), (7, 16), (7, 16)]
+    assert layout["down.weight"] == (("dp", "tp"), (Shard(0), Shard(1)), (8, 15))
+    assert layout["down.bias"] == (("dp", "tp"), (Shard(0), Replicate()), (8,))
+    assert layout["inp.weight"] == (("dp",), (Shard(0),), (8, 5))  # plain params: dp only
+    grads = ranks[0]["grad_placements"]
+    assert grads["up.weight"] == layout["up.weight"][1]
+    assert grads["down.weight"] == (Shard(0), Shard(1))
+    # the module computes with the tensor-parallel DTensor its plan made
+    assert ranks[0]["module_sees"] == ("DTensor", (Shard(0),))
+
+
+# --- a mesh that does not match the tensor-parallel layout (fake process group) ---------
+
+
+def _tp_model(mesh_for_tp) -> TensorParallelMLP:
+    torch.manual_seed(0)
+    model = TensorParallelMLP()
+    parallelize_module(
+        model, mesh_for_tp, {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    )
+    return model
+
+
+def _assert_untouched(model: TensorParallelMLP) -> None:
+    assert not fczero.is_parallelized(model)
+    assert isinstance(model.up.weight, DTensor) and model.up.weight.placements == (Shard(0),)
+    assert not isinstance(model.inp.weight, DTensor)
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True)
+def test_tp_on_the_data_parallel_axis_is_an_error(fake_pg):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _tp_model(mesh["dp"])  # tensor parallelism applied on the axis fczero shards
+    with pytest.raises(ValueError, match=r"'up.weight' is already distributed over mesh axis 'dp'"):
+        fczero.parallelize(model, mesh, axis="dp")
+    _assert_untouched(model)
+    model = _tp_model(mesh["tp"])
+    with pytest.raises(ValueError, match=r"already distributed over mesh axis 'tp'"):
+        fczero.parallelize(model, mesh, axis="tp")  # axes swapped
+    _assert_untouched(model)
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True)
+def test_tp_on_another_mesh_is_an_error(fake_pg):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    other = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))  # same name, other ranks
+    model = _tp_model(other)
+    with pytest.raises(ValueError, match=r"'up.weight' is a DTensor on mesh .* not a sub-mesh"):
+        fczero.parallelize(model, mesh, axis="dp")
+    _assert_untouched(model)
+    unnamed = init_device_mesh("cpu", (2, 2))
+    model = _tp_model(mesh["tp"])
+    with pytest.raises(ValueError, match="by name"):
+        fczero.parallelize(model, unnamed, axis=0)
+    _assert_untouched(model)
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True)
+def test_tp_mesh_without_names_is_an_error(fake_pg):
+    mesh = init_device_mesh("cpu", (4,))
+    model = _tp_model(init_device_mesh("cpu", (4,)))
+    with pytest.raises(ValueError, match="mesh without axis names"):
+        fczero.parallelize(model, mesh)
+    _assert_untouched(model)
