@@ -7,9 +7,12 @@ does not match the tensor-parallel layout (all raised before anything changes).
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -18,9 +21,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import fczero
+from fczero import resharding
 from fczero.testing import parity
+from fczero.testing.comm import CollectiveLog
 from fczero.testing.distributed import run_on_ranks
 from tests.models import TINY_LLAMA, mlp_batches, tiny_llama, token_batches
 
@@ -65,7 +71,7 @@ CASES = {
     "mlp-sgd-eager": (TensorParallelMLP, mlp_batches, parity.mse, "sgd", tp_mlp, None),
     "llama-adamw-eager": (
         tiny_llama,
-        token_batches,
+        partial(token_batches, steps=3),
         parity.cross_entropy,
         "adamw",
         tp_llama_ffn,
@@ -208,3 +214,27 @@ def test_tp_mesh_without_names_is_an_error(fake_pg):
     with pytest.raises(ValueError, match="mesh without axis names"):
         fczero.parallelize(model, mesh)
     _assert_untouched(model)
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True)
+def test_eager_stage3_frees_tensor_parallel_params_after_forward(fake_pg, monkeypatch):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _tp_model(mesh["tp"])
+    fczero.parallelize(model, mesh, axis="dp")
+    refs = []
+    original = resharding.register_gathered
+
+    def spy(full, spec, param):
+        inner = full.elem if isinstance(full, AsyncCollectiveTensor) else full
+        refs.append((spec.tensor_parallel is not None, StorageWeakRef(inner.untyped_storage())))
+        original(full, spec, param)
+
+    monkeypatch.setattr(resharding, "register_gathered", spy)
+    out = model(torch.randn(4, 5, requires_grad=True))  # the autograd graph is alive
+    assert sum(tp for tp, _ in refs) == 4  # up and down, weight and bias
+    assert all(r.expired() for _, r in refs), "an unsharded param outlived forward"
+    with CollectiveLog() as bwd:
+        out.sum().backward()
+    # every weight is saved for an input grad (x requires grad): all four gathered again
+    assert bwd.count("all_gather_into_tensor") == 4
+    assert all(p.grad is not None for p in model.parameters())
