@@ -139,3 +139,34 @@ def test_compiled_backward_reduce_scatters_then_all_reduces(fake_pg):
     # each param's all-reduce, now fed by its piece of the bucket, in place
     assert sum(op.startswith("reduce_scatter_tensor") for op in after) == 1
     assert sum(op.startswith("all_reduce") for op in after) == 7  # 3 weights, 3 biases, head
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True)
+@pytest.mark.parametrize(
+    ("shape", "options", "message"),
+    [
+        ((4,), {"replicate_axis": 0}, r"replicate_axis=0 needs a mesh with a replicate axis"),
+        ((2, 2), {"replicate_axis": "replicate"}, r"name the shard axis too"),
+        ((2, 2), {"axis": "shard", "replicate_axis": "shard"}, r"axis and replicate_axis are both"),
+        ((2, 2), {"axis": "shard", "replicate_axis": "replica"}, r"replicate_axis='replica' is not"),
+        ((2, 2), {"axis": "shard", "replicate_axis": 2}, r"replicate_axis=2 is out of range"),
+        ((2, 2), {"axis": "shard", "replicate_axis": 1.0}, r"replicate_axis must be a mesh axis"),
+    ],
+)
+def test_bad_replicate_axis_is_an_error_before_anything_changes(fake_pg, shape, options, message):
+    names = ("replicate", "shard") if len(shape) == 2 else None
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = UnevenTiedMLP()
+    with pytest.raises((ValueError, TypeError), match=message):
+        fczero.parallelize(model, mesh, **options)
+    assert not fczero.is_parallelized(model)
+    assert not any(hasattr(p, "placements") for p in model.parameters())
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True)
+def test_integer_axes_name_the_same_roles(fake_pg):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = fczero.parallelize(UnevenTiedMLP(), mesh, axis=1, replicate_axis=0)
+    weight = model.inp._parameters["weight"]
+    assert weight.device_mesh.mesh_dim_names == ("replicate", "shard")
+    assert tuple(weight.placements) == (Replicate(), Shard(0))

@@ -67,8 +67,10 @@ DP_TP = {
     "data_axes": ("dp",),
     "axis": "dp",
 }
+TP_DP = {**DP_TP, "mesh_dim_names": ("tp", "dp")}  # tp first: plain Shard(0) on both axes
 CASES = {
     "mlp-sgd-eager": (TensorParallelMLP, mlp_batches, parity.mse, "sgd", tp_mlp, None),
+    "mlp-sgd-eager-tp-first": (TensorParallelMLP, mlp_batches, parity.mse, "sgd", tp_mlp, None),
     "llama-adamw-eager": (
         tiny_llama,
         partial(token_batches, steps=3),
@@ -102,7 +104,7 @@ def _run_all(rank: int, world_size: int) -> dict[str, object]:
             lr=LR[optimizer],
             compile_backend=backend,
             prepare=plan,
-            **DP_TP,
+            **(TP_DP if key.endswith("tp-first") else DP_TP),
         )
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -120,6 +122,11 @@ def _run_all(rank: int, world_size: int) -> dict[str, object]:
     }
     results["grad_placements"] = {n: tuple(p.grad.placements) for n, p in model.named_parameters()}
     results["module_sees"] = (type(seen["weight"]).__name__, tuple(seen["placements"]))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))
+    model = TensorParallelMLP()
+    tp_mlp(model, mesh)
+    fczero.parallelize(model, mesh, axis="dp")
+    results["tp_first_layout"] = tuple(model.up._parameters["weight"].placements)
     return results
 
 
@@ -154,6 +161,7 @@ def test_sharded_params_are_dp_tp_dtensors(ranks):
     assert layout["down.weight"] == (("dp", "tp"), (Shard(0), Shard(1)), (8, 15))
     assert layout["down.bias"] == (("dp", "tp"), (Shard(0), Replicate()), (8,))
     assert layout["inp.weight"] == (("dp",), (Shard(0),), (8, 5))  # plain params: dp only
+    assert ranks[0]["tp_first_layout"] == (Shard(0), Shard(0))  # tp splits, then dp: in order
     grads = ranks[0]["grad_placements"]
     assert grads["up.weight"] == layout["up.weight"][1]
     assert grads["down.weight"] == (Shard(0), Shard(1))
@@ -238,3 +246,53 @@ def test_eager_stage3_frees_tensor_parallel_params_after_forward(fake_pg, monkey
     # every weight is saved for an input grad (x requires grad): all four gathered again
     assert bwd.count("all_gather_into_tensor") == 4
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("fake_pg", [8], indirect=True)
+def test_hsdp_with_tensor_parallel_layout(fake_pg):
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    model = _tp_model(mesh["tp"])
+    fczero.parallelize(model, mesh, axis="shard", replicate_axis="replicate")
+    up = model.up._parameters["weight"]
+    assert up.device_mesh.mesh_dim_names == ("replicate", "shard", "tp")
+    assert tuple(up.placements) == (Replicate(), _StridedShard(0, split_factor=2), Shard(0))
+    down = model.down._parameters["weight"]
+    assert tuple(down.placements) == (Replicate(), Shard(0), Shard(1))
+    inp = model.inp._parameters["weight"]
+    assert inp.device_mesh.mesh_dim_names == ("replicate", "shard")
+    assert tuple(inp.placements) == (Replicate(), Shard(0))
+    spec = model.up._fczero_specs["weight"]
+    assert spec.replicate == (2, mesh["replicate"].get_group().group_name)
+    assert spec.group_name == mesh["shard"].get_group().group_name
+    with CollectiveLog() as log:
+        model(torch.randn(4, 5)).sum().backward()
+    assert log.count("reduce_scatter_tensor") == 8  # one per param, over the shard group
+    assert log.count("all_reduce") >= 8  # and its all-reduce over the replicas (+ TP's own)
+
+
+def _hsdp_tp_rank(rank: int, world_size: int) -> parity.Trace:
+    return parity.train_parallel(
+        rank,
+        world_size,
+        TensorParallelMLP,
+        mlp_batches(),
+        parity.mse,
+        optimizer="adamw",
+        lr=0.01,
+        mesh_shape=(2, 2, 2),
+        mesh_dim_names=("replicate", "shard", "tp"),
+        data_axes=("replicate", "shard"),
+        prepare=tp_mlp,
+        axis="shard",
+        replicate_axis="replicate",
+    )
+
+
+@pytest.mark.slow
+def test_hsdp_with_tensor_parallel_matches_reference():
+    """World size 8: 2 replicas x 2 shards x 2 tensor-parallel ranks."""
+    expected = parity.train_reference(
+        TensorParallelMLP, mlp_batches(), parity.mse, optimizer="adamw", lr=0.01
+    )
+    for trace in run_on_ranks(_hsdp_tp_rank, 8):
+        parity.assert_close(trace, expected, rtol=2e-4, atol=2e-5)
