@@ -201,7 +201,8 @@ def _axis_name(mesh: DeviceMesh, axis: str | int, what: str) -> str:
             raise ValueError(f"fczero: {what}={axis} is out of range for a {mesh.ndim}-axis mesh.")
         if not names:
             raise ValueError(
-                f"fczero: pick the {what} of a multi-axis mesh by name; build the mesh with "
+                f"fczero: pick {'an axis' if what == 'axis' else what} of a multi-axis mesh by "
+                "name; build the mesh with "
                 "mesh_dim_names=(...)."
             )
         return names[axis]

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -213,6 +213,17 @@ def test_tp_on_another_mesh_is_an_error(fake_pg):
     with pytest.raises(ValueError, match="by name"):
         fczero.parallelize(model, unnamed, axis=0)
     _assert_untouched(model)
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True)
+def test_partial_placement_is_an_error(fake_pg):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = nn.Linear(4, 4)
+    local = torch.randn(4, 4)
+    model.weight = nn.Parameter(DTensor.from_local(local, mesh["tp"], [Partial()]))
+    with pytest.raises(ValueError, match=r"'weight' has placement P\(sum\) on mesh axis 'tp'"):
+        fczero.parallelize(model, mesh, axis="dp")
+    assert not fczero.is_parallelized(model) and model.weight.placements == (Partial(),)
 
 
 @pytest.mark.parametrize("fake_pg", [4], indirect=True)
