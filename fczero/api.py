@@ -137,7 +137,9 @@ def is_parallelized(model: nn.Module) -> bool:
     return any(hasattr(m, MANAGED_ATTR) or hasattr(m, ROOT_ATTR) for m in model.modules())
 
 
-def _validate_model(model: nn.Module, layout: MeshLayout) -> list[tuple[nn.Module, str, nn.Parameter]]:
+def _validate_model(
+    model: nn.Module, layout: MeshLayout
+) -> list[tuple[nn.Module, str, nn.Parameter]]:
     """Every (module, name, param) triple, after checking that fczero can shard them all."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fczero.parallelize needs an nn.Module, got {type(model).__name__}.")

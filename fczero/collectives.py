@@ -62,7 +62,9 @@ def all_reduce_sum(t: torch.Tensor, group_name: str) -> torch.Tensor:
     return _c10d.wait_tensor(_c10d.all_reduce(t.contiguous(), "sum", group_name))
 
 
-def _average(grad: torch.Tensor, group_size: int, replicate: tuple[int, str] | None) -> torch.Tensor:
+def _average(
+    grad: torch.Tensor, group_size: int, replicate: tuple[int, str] | None
+) -> torch.Tensor:
     return grad / (group_size * (replicate[0] if replicate else 1))
 
 
@@ -133,4 +135,6 @@ def replicate_scalar(
 ) -> torch.Tensor:
     """The 'gather' of a replicated 0-d param; backward all-reduces its grad (over both
     groups under HSDP)."""
-    return _ReplicateScalar.apply(local, group_size, group_name, param_dtype, reduce_dtype, replicate)
+    return _ReplicateScalar.apply(
+        local, group_size, group_name, param_dtype, reduce_dtype, replicate
+    )

@@ -96,7 +96,7 @@ class MeshLayout:
             )
         taken = {self.shard_axis, self.replicate_axis} & set(names)
         if taken:
-            axis = sorted(taken)[0]
+            axis = min(taken)
             raise ValueError(
                 f"fczero: parameter {name!r} is already distributed over mesh axis {axis!r}, "
                 f"which parallelize was asked to use for data parallelism (axis="
@@ -104,7 +104,8 @@ class MeshLayout:
                 "parallelism on a different axis, or pass the other axis name to parallelize."
             )
         unknown = [n for n in names if n not in given]
-        if unknown or not _same_ranks(_sub(self.mesh, names), pmesh):
+        in_order = list(names) == sorted(names, key=lambda n: given.index(n) if n in given else 0)
+        if unknown or not in_order or not _same_ranks(_sub(self.mesh, names), pmesh):
             raise ValueError(
                 f"fczero: parameter {name!r} is a DTensor on mesh {pmesh} (axes {names}), which "
                 f"is not a sub-mesh of the mesh given to parallelize (axes {given}). Apply "
@@ -151,7 +152,9 @@ class MeshLayout:
         return ParamLayout(mesh, placements, scalar, replicate, tp)
 
 
-def resolve_mesh(mesh: DeviceMesh, axis: str | int | None, replicate_axis: str | int | None) -> MeshLayout:
+def resolve_mesh(
+    mesh: DeviceMesh, axis: str | int | None, replicate_axis: str | int | None
+) -> MeshLayout:
     """Check ``axis`` / ``replicate_axis`` against ``mesh`` and name their roles."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
@@ -202,8 +205,7 @@ def _axis_name(mesh: DeviceMesh, axis: str | int, what: str) -> str:
         if not names:
             raise ValueError(
                 f"fczero: pick {'an axis' if what == 'axis' else what} of a multi-axis mesh by "
-                "name; build the mesh with "
-                "mesh_dim_names=(...)."
+                "name; build the mesh with mesh_dim_names=(...)."
             )
         return names[axis]
     if not names or axis not in names:

@@ -11,6 +11,10 @@ The gather pads every local shard to ``c`` rows, so all ranks all-gather the sam
 number of elements, then drops the padding rows. A 0-d param cannot be split along
 dim 0: it is ``Replicate()`` and its grad is all-reduced.
 
+With HSDP or tensor parallelism the sharded param lives on a larger mesh and a
+tensor-parallel param is split from its local tensor; ``fczero.meshes`` says where
+([Note: mesh roles]), and ``shard_tensor`` takes that as a ``ParamLayout``.
+
 [Note: module wiring]
 Each module that owns params gets a subclass of its own class (cached per class and
 names) in which every param name is a read-only property returning the unsharded

@@ -35,7 +35,13 @@ HSDP = {
 CASES = {
     # uneven rows, a 0-d param, a tied weight, a frozen param
     "mlp-sgd-eager": (UnevenTiedMLP, mlp_batches, parity.mse, "sgd", None),
-    "llama-adamw-eager": (tiny_llama, partial(token_batches, steps=3), parity.cross_entropy, "adamw", None),
+    "llama-adamw-eager": (
+        tiny_llama,
+        partial(token_batches, steps=3),
+        parity.cross_entropy,
+        "adamw",
+        None,
+    ),
     "mlp-adamw-compiled": (
         UnevenTiedMLP,
         mlp_batches,
@@ -79,7 +85,8 @@ def _run_all(rank: int, world_size: int) -> dict[str, object]:
     model(torch.randn(4, 5)).sum().backward()
     results["layout"] = _layout_facts(model)
     results["state_dict"] = {
-        k: (tuple(v.placements), tuple(v.to_local().shape)) for k, v in model.state_dict().items()
+        k: (tuple(v.placements), tuple(v.to_local().shape))
+        for k, v in model.state_dict().items()
         if hasattr(v, "placements")
     }
     return results
@@ -93,7 +100,9 @@ def ranks():
 @pytest.mark.parametrize("key", list(CASES))
 def test_hsdp_matches_single_process_reference(ranks, key):
     build, batches, criterion, optimizer, _ = CASES[key]
-    expected = parity.train_reference(build, batches(), criterion, optimizer=optimizer, lr=LR[optimizer])
+    expected = parity.train_reference(
+        build, batches(), criterion, optimizer=optimizer, lr=LR[optimizer]
+    )
     for rank_result in ranks:
         parity.assert_close(rank_result[key], expected, rtol=2e-4, atol=2e-5)
     torch.manual_seed(0)
@@ -126,14 +135,17 @@ def test_compiled_backward_reduce_scatters_then_all_reduces(fake_pg):
     groups = {
         n.target.__name__.split(".")[0]: n.args[-1]
         for n in bw.graph.nodes
-        if n.op == "call_function" and n.target.__name__.split(".")[0] in ("reduce_scatter_tensor", "all_reduce")
+        if n.op == "call_function"
+        and n.target.__name__.split(".")[0] in ("reduce_scatter_tensor", "all_reduce")
     }
     assert groups == {"reduce_scatter_tensor": shard, "all_reduce": replicate}
     before = collective_sequence(bw)
     assert before.count("reduce_scatter_tensor[32, 64]") == 3  # each block's weight, halved
     assert before.count("all_reduce[32, 64]") == 3
     settings = settings_for_graph(bw.graph)
-    assert settings is not None and settings.groups == {shard}  # the replicate group is not fczero's
+    assert settings is not None and settings.groups == {
+        shard
+    }  # the replicate group is not fczero's
     after = collective_sequence(run_passes(bw))
     # bucketing merges the reduce-scatters (all params fit in one bucket) and leaves
     # each param's all-reduce, now fed by its piece of the bucket, in place
@@ -148,7 +160,11 @@ def test_compiled_backward_reduce_scatters_then_all_reduces(fake_pg):
         ((4,), {"replicate_axis": 0}, r"replicate_axis=0 needs a mesh with a replicate axis"),
         ((2, 2), {"replicate_axis": "replicate"}, r"name the shard axis too"),
         ((2, 2), {"axis": "shard", "replicate_axis": "shard"}, r"axis and replicate_axis are both"),
-        ((2, 2), {"axis": "shard", "replicate_axis": "replica"}, r"replicate_axis='replica' is not"),
+        (
+            (2, 2),
+            {"axis": "shard", "replicate_axis": "replica"},
+            r"replicate_axis='replica' is not",
+        ),
         ((2, 2), {"axis": "shard", "replicate_axis": 2}, r"replicate_axis=2 is out of range"),
         ((2, 2), {"axis": "shard", "replicate_axis": 1.0}, r"replicate_axis must be a mesh axis"),
     ],

@@ -127,7 +127,27 @@ def _run_all(rank: int, world_size: int) -> dict[str, object]:
     tp_mlp(model, mesh)
     fczero.parallelize(model, mesh, axis="dp")
     results["tp_first_layout"] = tuple(model.up._parameters["weight"].placements)
+    results["round_trip"] = _round_trip()
     return results
+
+
+def _round_trip() -> dict[tuple, bool]:
+    """Does ``full_tensor()`` of every sharded param give back the initial whole param?
+    Hidden sizes 31 and 3 split unevenly over tp (16 + 15, 2 + 1), then over dp (down to 0 rows)."""
+    found = {}
+    for names in (("dp", "tp"), ("tp", "dp")):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+        for rows in (31, 30, 3):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, rows), nn.Linear(rows, 6))
+            initial = [p.detach().clone() for p in model.parameters()]
+            plan = {"0": ColwiseParallel(), "1": RowwiseParallel()}
+            parallelize_module(model, mesh["tp"], plan)
+            fczero.parallelize(model, mesh, axis="dp")
+            found[(names, rows)] = all(
+                torch.equal(p.full_tensor(), q) for p, q in zip(model.parameters(), initial)
+            )
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +167,12 @@ def test_tensor_parallel_matches_single_process_reference(ranks, key):
     initial = dict(build().named_parameters())
     moved = [n for n, p in expected.params.items() if not torch.allclose(p, initial[n], atol=1e-3)]
     assert len(moved) == len(expected.params)  # real training: every param moved
+
+
+def test_full_tensor_round_trips_uneven_splits(ranks):
+    for rank_result in ranks:
+        assert rank_result["round_trip"] == dict.fromkeys(rank_result["round_trip"], True)
+        assert len(rank_result["round_trip"]) == 6
 
 
 def test_sharded_params_are_dp_tp_dtensors(ranks):
@@ -175,9 +201,7 @@ def test_sharded_params_are_dp_tp_dtensors(ranks):
 def _tp_model(mesh_for_tp) -> TensorParallelMLP:
     torch.manual_seed(0)
     model = TensorParallelMLP()
-    parallelize_module(
-        model, mesh_for_tp, {"up": ColwiseParallel(), "down": RowwiseParallel()}
-    )
+    parallelize_module(model, mesh_for_tp, {"up": ColwiseParallel(), "down": RowwiseParallel()})
     return model
 
 

@@ -128,7 +128,9 @@ def train_parallel(
     if data_axes is not None:
         data_rank, data_size = 0, 1
         for axis in data_axes:  # row-major over the data axes
-            data_rank = data_rank * mesh.size(mesh.mesh_dim_names.index(axis)) + mesh.get_local_rank(axis)
+            data_rank = data_rank * mesh.size(
+                mesh.mesh_dim_names.index(axis)
+            ) + mesh.get_local_rank(axis)
             data_size *= mesh.size(mesh.mesh_dim_names.index(axis))
     local = [_slice(b, data_rank, data_size, device) for b in batches]
 
