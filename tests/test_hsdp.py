@@ -186,3 +186,22 @@ def test_integer_axes_name_the_same_roles(fake_pg):
     weight = model.inp._parameters["weight"]
     assert weight.device_mesh.mesh_dim_names == ("replicate", "shard")
     assert tuple(weight.placements) == (Replicate(), Shard(0))
+
+
+def _hsdp_inductor_rank(rank: int, world_size: int) -> parity.Trace:
+    return parity.train_parallel(
+        rank,
+        world_size,
+        UnevenTiedMLP,
+        mlp_batches(steps=3),
+        parity.mse,
+        compile_backend="inductor",
+        **HSDP,
+    )
+
+
+@pytest.mark.slow
+def test_hsdp_with_inductor_matches_reference():
+    expected = parity.train_reference(UnevenTiedMLP, mlp_batches(steps=3), parity.mse)
+    for trace in run_on_ranks(_hsdp_inductor_rank, 4):
+        parity.assert_close(trace, expected, rtol=2e-4, atol=2e-5)

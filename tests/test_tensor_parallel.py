@@ -331,3 +331,23 @@ def test_hsdp_with_tensor_parallel_matches_reference():
     )
     for trace in run_on_ranks(_hsdp_tp_rank, 8):
         parity.assert_close(trace, expected, rtol=2e-4, atol=2e-5)
+
+
+def _tp_inductor_rank(rank: int, world_size: int) -> parity.Trace:
+    return parity.train_parallel(
+        rank,
+        world_size,
+        TensorParallelMLP,
+        mlp_batches(steps=3),
+        parity.mse,
+        compile_backend="inductor",
+        prepare=tp_mlp,
+        **DP_TP,
+    )
+
+
+@pytest.mark.slow
+def test_tensor_parallel_with_inductor_matches_reference():
+    expected = parity.train_reference(TensorParallelMLP, mlp_batches(steps=3), parity.mse)
+    for trace in run_on_ranks(_tp_inductor_rank, 4):
+        parity.assert_close(trace, expected, rtol=2e-4, atol=2e-5)
