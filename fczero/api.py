@@ -108,7 +108,7 @@ def parallelize(
     _move_buffers(model, dp_mesh)
     quiet_gather_checkpoint_note()
     if options.compile_passes:
-        _install_passes(dp_mesh, options)
+        _install_passes(dp_mesh, options, layout.replicate_mesh)
     else:
         registry.unregister(dp_mesh.get_group().group_name)
 
@@ -178,7 +178,9 @@ def _move_buffers(model: nn.Module, mesh: DeviceMesh) -> None:
                 module._buffers[name] = buf.to(device)
 
 
-def _install_passes(mesh: DeviceMesh, options: ShardingOptions) -> None:
+def _install_passes(
+    mesh: DeviceMesh, options: ShardingOptions, replicate: DeviceMesh | None = None
+) -> None:
     budget = options.memory_budget
     if budget is None and mesh.device_type != "cpu":
         device = mesh_device(mesh)
@@ -190,6 +192,7 @@ def _install_passes(mesh: DeviceMesh, options: ShardingOptions) -> None:
         bucket_bytes=options.bucket_bytes,
         prefetch=options.prefetch,
         memory_budget=budget,
+        replicate_group=replicate.get_group().group_name if replicate is not None else None,
     )
     install()
 

@@ -4,6 +4,7 @@
 | ----------------------------- | ------------ | --------------------------------------------- |
 | bucket_all_gathers_pass       | bucketing.py | one all-gather per block                      |
 | bucket_reduce_scatters_pass   | bucketing.py | one reduce-scatter per block                  |
+| bucket_all_reduces_pass       | bucketing.py | HSDP: one replicate all-reduce per block      |
 | sink_waits_pass               | schedule.py  | waits just before first use                   |
 | prefetch_all_gathers_pass     | schedule.py  | gathers issued a block ahead, under a budget  |
 
@@ -16,7 +17,11 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from fczero.passes.bucketing import bucket_all_gathers_pass, bucket_reduce_scatters_pass
+from fczero.passes.bucketing import (
+    bucket_all_gathers_pass,
+    bucket_all_reduces_pass,
+    bucket_reduce_scatters_pass,
+)
 from fczero.passes.registry import PassSettings, settings_for_graph
 from fczero.passes.schedule import prefetch_all_gathers_pass, sink_waits_pass
 
@@ -33,6 +38,8 @@ def run_passes(gm: fx.GraphModule, settings: PassSettings | None = None) -> fx.G
     if settings.bucket_bytes > 0:
         gm = bucket_all_gathers_pass(gm, groups, settings.bucket_bytes)
         gm = bucket_reduce_scatters_pass(gm, groups, settings.bucket_bytes)
+        if settings.replicate_groups:
+            gm = bucket_all_reduces_pass(gm, settings.replicate_groups, settings.bucket_bytes)
     gm = sink_waits_pass(gm, groups)
     gm = prefetch_all_gathers_pass(gm, groups, settings.prefetch, settings.memory_budget)
     return gm

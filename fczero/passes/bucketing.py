@@ -12,6 +12,8 @@ concatenated shards; each param is then copied out of its column of the result:
 
 Reduces of one block become one reduce-scatter of the rank-major concatenation
 ``cat([g1.view(world, -1), g2.view(world, -1)], dim=1)``, split again after the wait.
+Under HSDP the all-reduces of the reduced shards over the replicate group are
+bucketed the same way: one all-reduce of ``cat([s1.view(-1), s2.view(-1)])``.
 Buckets are formed in program order from whole blocks (``matching.block_key``),
 packed while they fit in ``bucket_bytes``; a bucket under ``_MIN_BUCKET`` always takes
 the next block. All of it reads shapes and module paths only, so every rank forms
@@ -34,7 +36,7 @@ from fczero.passes.graph_utils import (
     position,
     stable_topological_sort,
 )
-from fczero.passes.matching import Collective, find_gathers, find_reduces
+from fczero.passes.matching import Collective, find_all_reduces, find_gathers, find_reduces
 
 logger = logging.getLogger("fczero")
 
@@ -95,6 +97,14 @@ def bucket_reduce_scatters_pass(
 ) -> fx.GraphModule:
     return _bucket(
         gm, find_reduces(gm.graph, groups), bucket_bytes, _merge_reduces, "reduce-scatters"
+    )
+
+
+def bucket_all_reduces_pass(
+    gm: fx.GraphModule, groups: set[str], bucket_bytes: int
+) -> fx.GraphModule:
+    return _bucket(
+        gm, find_all_reduces(gm.graph, groups), bucket_bytes, _merge_all_reduces, "all-reduces"
     )
 
 
@@ -179,6 +189,33 @@ def _merge_reduces(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None
             like=last,
         )
         wait = insert(graph, fake_mode, c10d.wait_tensor.default, (rs,), like=last)
+        offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        pieces = [
+            insert(graph, fake_mode, aten.slice.Tensor, (wait, 0, a, b), like=c.node)
+            for c, a, b in zip(bucket, offsets, offsets[1:])
+        ]
+        _hand_out(graph, fake_mode, bucket, pieces)
+
+
+def _merge_all_reduces(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None:
+    pos = position(graph)
+    last = max(bucket, key=lambda c: pos[c.node]).node  # every input is ready here
+    group = bucket[0].group_name
+    with graph.inserting_before(last):
+        flats = [
+            insert(
+                graph,
+                fake_mode,
+                aten.view.default,
+                (_contiguous(graph, fake_mode, c.input), [-1]),
+                like=c.node,
+            )
+            for c in bucket
+        ]
+        sizes = [f.meta["val"].numel() for f in flats]
+        flat = insert(graph, fake_mode, aten.cat.default, (flats, 0), like=last)
+        ar = insert(graph, fake_mode, c10d.all_reduce.default, (flat, "sum", group), like=last)
+        wait = insert(graph, fake_mode, c10d.wait_tensor.default, (ar,), like=last)
         offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
         pieces = [
             insert(graph, fake_mode, aten.slice.Tensor, (wait, 0, a, b), like=c.node)

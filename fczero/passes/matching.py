@@ -115,6 +115,19 @@ def find_reduces(graph: fx.Graph, groups: set[str]) -> list[Collective]:
     return found
 
 
+def find_all_reduces(graph: fx.Graph, groups: set[str]) -> list[Collective]:
+    """Sum all-reduces on ``groups`` (HSDP's replicate groups) that only their wait reads."""
+    found = []
+    for node in graph.nodes:
+        if node.op != "call_function" or op_name(node) != "all_reduce":
+            continue
+        _, op, name = node.args[:3]
+        wait = _only_wait(node)
+        if name in groups and op == "sum" and wait is not None:
+            found.append(Collective(node, wait, 0, name, []))
+    return found
+
+
 _INDEXED = re.compile(r"^(.*?\.\d+)(\.|$)")
 
 
