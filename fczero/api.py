@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from fczero import prefetch as eager_prefetch
 from fczero import resharding, stages, unsharding
 from fczero.config import ShardingOptions
+from fczero.meshes import MeshLayout, resolve_mesh
 from fczero.passes import registry
 from fczero.passes.install import install
 from fczero.sharding import (
@@ -41,6 +41,7 @@ def parallelize(
     reduce_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
     axis: str | int | None = None,
+    replicate_axis: str | int | None = None,
     compile_passes: bool = True,
     bucket_bytes: int = 128 * 2**20,
     prefetch: int = 1,
@@ -65,9 +66,12 @@ def parallelize(
         model: the module to shard; every rank must pass the same architecture with
             the same initial values (as with DDP and FSDP2).
         mesh: a ``DeviceMesh``; with more than one axis, name the data-parallel one
-            with ``axis``.
-        param_dtype, reduce_dtype, reshard_after_forward, axis, compile_passes,
-        bucket_bytes, prefetch, memory_budget, unsharded_budget, stage: see :class:`fczero.ShardingOptions`
+            with ``axis`` (and, for HSDP, the replicate one with ``replicate_axis``).
+            Params that are already tensor-parallel DTensors must live on other axes
+            of this same mesh (``fczero.meshes``).
+        param_dtype, reduce_dtype, reshard_after_forward, axis, replicate_axis,
+        compile_passes, bucket_bytes, prefetch, memory_budget, unsharded_budget, stage: see
+            :class:`fczero.ShardingOptions`
             (one docstring per field).
 
     Returns:
@@ -82,6 +86,7 @@ def parallelize(
         reduce_dtype=reduce_dtype,
         reshard_after_forward=reshard_after_forward,
         axis=axis,
+        replicate_axis=replicate_axis,
         compile_passes=compile_passes,
         bucket_bytes=bucket_bytes,
         prefetch=prefetch,
@@ -90,15 +95,25 @@ def parallelize(
         stage=stage,
         **unknown,
     )
-    dp_mesh = _data_parallel_mesh(mesh, options.axis)
-    owners = _validate_model(model)
+    layout = resolve_mesh(mesh, options.axis, options.replicate_axis)
+    dp_mesh = layout.shard_mesh
+    owners = _validate_model(model, layout)
+    if options.stage != 3 and (
+        layout.replicate_axis is not None or any(isinstance(p, DTensor) for *_, p in owners)
+    ):
+        raise ValueError(
+            f"fczero: stage={options.stage} is not supported with HSDP (replicate_axis) or "
+            "tensor-parallel params yet; use stage=3 (the default) on such meshes."
+        )
 
     specs_by_param: dict[int, tuple[nn.Parameter, ShardSpec]] = {}
     originals: dict[int, nn.Parameter] = {}
     first_owner: list[tuple[str, torch.Tensor, ShardSpec]] = []
     for path, _, _, param in owners:
         if id(param) not in specs_by_param:  # a param shared by several modules is sharded once
-            specs_by_param[id(param)] = shard_tensor(param, dp_mesh, options, param.requires_grad)
+            specs_by_param[id(param)] = shard_tensor(
+                param, dp_mesh, options, param.requires_grad, layout.for_param(param)
+            )
             originals[id(param)] = param
             first_owner.append((path, param, specs_by_param[id(param)][1]))
     if options.reshard_after_forward and options.stage == 3:
@@ -122,7 +137,7 @@ def parallelize(
     _move_buffers(model, dp_mesh)
     quiet_gather_checkpoint_note()
     if options.compile_passes:
-        _install_passes(dp_mesh, options)
+        _install_passes(dp_mesh, options, layout.replicate_mesh)
     else:
         registry.unregister(dp_mesh.get_group().group_name)
 
@@ -136,10 +151,11 @@ def parallelize(
     model.register_forward_pre_hook(_root_pre_forward, with_kwargs=True)
     model.register_forward_hook(_root_post_forward, always_call=True)
     logger.info(
-        "parallelized %s: %d params over %d ranks (%s)",
+        "parallelized %s: %d params over %d ranks%s (%s)",
         type(model).__name__,
         len(specs_by_param),
         dp_mesh.size(),
+        f" x {mesh.size() // dp_mesh.size()} replicas" if layout.replicate_axis else "",
         options,
     )
     return model
@@ -150,41 +166,9 @@ def is_parallelized(model: nn.Module) -> bool:
     return any(hasattr(m, MANAGED_ATTR) or hasattr(m, ROOT_ATTR) for m in model.modules())
 
 
-def _data_parallel_mesh(mesh: DeviceMesh, axis: str | int | None) -> DeviceMesh:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(
-            "fczero.parallelize needs a DeviceMesh, e.g. "
-            "torch.distributed.device_mesh.init_device_mesh('cuda', (world_size,)); "
-            f"got {type(mesh).__name__}."
-        )
-    names = mesh.mesh_dim_names
-    if mesh.ndim == 1:
-        if axis not in (None, 0) and not (names and axis == names[0]):
-            raise ValueError(
-                f"fczero: axis={axis!r} is not an axis of this 1-d mesh (axis names: "
-                f"{names or 'none'}); leave axis unset."
-            )
-        return mesh
-    if axis is None:
-        raise ValueError(
-            f"fczero: the mesh has {mesh.ndim} axes (names: {names or 'none'}); say which one is "
-            "data-parallel with parallelize(..., axis=<name or index>)."
-        )
-    if isinstance(axis, int):
-        if not 0 <= axis < mesh.ndim:
-            raise ValueError(f"fczero: axis={axis} is out of range for a {mesh.ndim}-axis mesh.")
-        if not names:
-            raise ValueError(
-                "fczero: pick an axis of a multi-axis mesh by name; build the mesh with "
-                "mesh_dim_names=(...)."
-            )
-        axis = names[axis]
-    if not names or axis not in names:
-        raise ValueError(f"fczero: axis={axis!r} is not one of the mesh's axes {names}.")
-    return mesh[axis]
-
-
-def _validate_model(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
+def _validate_model(
+    model: nn.Module, layout: MeshLayout
+) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
     """Every (module path, module, name, param), in registration order, after checking
     that fczero can shard them all."""
     if not isinstance(model, nn.Module):
@@ -200,12 +184,7 @@ def _validate_model(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Para
             if param is None:
                 continue
             qualified = f"{module_name}.{name}" if module_name else name
-            if isinstance(param, DTensor):
-                raise ValueError(
-                    f"fczero: parameter {qualified!r} is already a DTensor; fczero shards "
-                    "plain parameters only (composition with tensor parallelism is not "
-                    "supported yet)."
-                )
+            layout.check_param(qualified, param)  # a DTensor must be tensor-parallel here
             if not param.dtype.is_floating_point:
                 raise TypeError(
                     f"fczero: parameter {qualified!r} has dtype {param.dtype}; only floating "
@@ -229,7 +208,9 @@ def _move_buffers(model: nn.Module, mesh: DeviceMesh) -> None:
                 module._buffers[name] = buf.to(device)
 
 
-def _install_passes(mesh: DeviceMesh, options: ShardingOptions) -> None:
+def _install_passes(
+    mesh: DeviceMesh, options: ShardingOptions, replicate: DeviceMesh | None = None
+) -> None:
     budget = options.memory_budget
     if budget is None and mesh.device_type != "cpu":
         device = mesh_device(mesh)
@@ -241,6 +222,7 @@ def _install_passes(mesh: DeviceMesh, options: ShardingOptions) -> None:
         bucket_bytes=options.bucket_bytes,
         prefetch=options.prefetch,
         memory_budget=budget,
+        replicate_group=replicate.get_group().group_name if replicate is not None else None,
     )
     install()
 

@@ -11,6 +11,10 @@ Data parallelism averages gradients over ranks. Dividing before the sum lets the
 compiler fuse the division into the cast and bucket copy that precede the
 reduce-scatter, so the reduced shards come out as plain views (no kernel per param).
 
+HSDP (a replicate axis, see ``fczero.meshes``) adds one step to the backward: the
+reduce-scattered shard is summed over the replicate group with an all-reduce, and
+the division covers both groups, so the grad is averaged over every rank.
+
 Both directions call ``torch.ops._c10d_functional`` ops, so eager mode returns an
 ``AsyncCollectiveTensor`` that waits on first use, and a traced graph holds explicit
 ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` / ``wait_tensor`` nodes that
@@ -58,6 +62,16 @@ def all_reduce_sum(t: torch.Tensor, group_name: str) -> torch.Tensor:
     return _c10d.wait_tensor(_c10d.all_reduce(t.contiguous(), "sum", group_name))
 
 
+def _average(
+    grad: torch.Tensor, group_size: int, replicate: tuple[int, str] | None
+) -> torch.Tensor:
+    return grad / (group_size * (replicate[0] if replicate else 1))
+
+
+def _over_replicas(t: torch.Tensor, replicate: tuple[int, str] | None) -> torch.Tensor:
+    return t if replicate is None else all_reduce_sum(t, replicate[1])
+
+
 def _to(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
@@ -70,32 +84,32 @@ class _GatherShard(torch.autograd.Function):
     """All-gather in forward, reduce-scatter (averaged) in backward. See the module docstring."""
 
     @staticmethod
-    def forward(ctx, shard, group_size, group_name, param_dtype, reduce_dtype):  # type: ignore[override]
-        ctx.meta = (group_size, group_name, reduce_dtype, shard.dtype)
+    def forward(ctx, shard, group_size, group_name, param_dtype, reduce_dtype, replicate):  # type: ignore[override]
+        ctx.meta = (group_size, group_name, reduce_dtype, shard.dtype, replicate)
         return all_gather(_to(shard, param_dtype), group_size, group_name)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        group_size, group_name, reduce_dtype, shard_dtype = ctx.meta
-        grad = _to(grad, _reduce_dtype_of(grad, reduce_dtype)) / group_size
-        reduced = reduce_scatter_sum(grad, group_size, group_name)
-        return _to(reduced, shard_dtype), None, None, None, None
+        group_size, group_name, reduce_dtype, shard_dtype, replicate = ctx.meta
+        grad = _average(_to(grad, _reduce_dtype_of(grad, reduce_dtype)), group_size, replicate)
+        reduced = _over_replicas(reduce_scatter_sum(grad, group_size, group_name), replicate)
+        return _to(reduced, shard_dtype), None, None, None, None, None
 
 
 class _ReplicateScalar(torch.autograd.Function):
     """Identity (with the param_dtype cast) in forward, averaged all-reduce in backward."""
 
     @staticmethod
-    def forward(ctx, local, group_size, group_name, param_dtype, reduce_dtype):  # type: ignore[override]
-        ctx.meta = (group_size, group_name, reduce_dtype, local.dtype)
+    def forward(ctx, local, group_size, group_name, param_dtype, reduce_dtype, replicate):  # type: ignore[override]
+        ctx.meta = (group_size, group_name, reduce_dtype, local.dtype, replicate)
         return _to(local, param_dtype).clone()
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        group_size, group_name, reduce_dtype, local_dtype = ctx.meta
-        grad = _to(grad, _reduce_dtype_of(grad, reduce_dtype)) / group_size
-        reduced = all_reduce_sum(grad, group_name)
-        return _to(reduced, local_dtype), None, None, None, None
+        group_size, group_name, reduce_dtype, local_dtype, replicate = ctx.meta
+        grad = _average(_to(grad, _reduce_dtype_of(grad, reduce_dtype)), group_size, replicate)
+        reduced = _over_replicas(all_reduce_sum(grad, group_name), replicate)
+        return _to(reduced, local_dtype), None, None, None, None, None
 
 
 def gather_shard(
@@ -104,9 +118,11 @@ def gather_shard(
     group_name: str,
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
+    replicate: tuple[int, str] | None = None,
 ) -> torch.Tensor:
-    """The gather of a padded shard (equal size on every rank); backward is the reduce."""
-    return _GatherShard.apply(shard, group_size, group_name, param_dtype, reduce_dtype)
+    """The gather of a padded shard (equal size on every rank); backward is the reduce
+    (then, under HSDP, the all-reduce over ``replicate = (size, group name)``)."""
+    return _GatherShard.apply(shard, group_size, group_name, param_dtype, reduce_dtype, replicate)
 
 
 def replicate_scalar(
@@ -115,6 +131,10 @@ def replicate_scalar(
     group_name: str,
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
+    replicate: tuple[int, str] | None = None,
 ) -> torch.Tensor:
-    """The 'gather' of a replicated 0-d param; backward all-reduces its grad."""
-    return _ReplicateScalar.apply(local, group_size, group_name, param_dtype, reduce_dtype)
+    """The 'gather' of a replicated 0-d param; backward all-reduces its grad (over both
+    groups under HSDP)."""
+    return _ReplicateScalar.apply(
+        local, group_size, group_name, param_dtype, reduce_dtype, replicate
+    )

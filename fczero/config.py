@@ -30,6 +30,11 @@ class ShardingOptions:
     """The data-parallel mesh axis (name or index) to shard over. Needed only when the
     mesh has more than one axis."""
 
+    replicate_axis: str | int | None = None
+    """HSDP: the mesh axis (name or index) over which the sharded params are replicated.
+    Gradients are reduce-scattered over ``axis``, then all-reduced over this axis,
+    averaged over all ranks. None: no replication (plain ZeRO over ``axis``)."""
+
     compile_passes: bool = True
     """Install fczero's graph passes (bucketing, prefetch, late waits) in Inductor.
     They act only on graphs that ``torch.compile`` builds; eager mode is unaffected."""
@@ -111,12 +116,12 @@ class ShardingOptions:
             raise TypeError(
                 f"fczero: compile_passes must be True or False, got {self.compile_passes!r}."
             )
-        if self.axis is not None and (
-            isinstance(self.axis, bool) or not isinstance(self.axis, (str, int))
-        ):
-            raise TypeError(
-                f"fczero: axis must be a mesh axis name (str) or index (int), got {self.axis!r}."
-            )
+        for name in ("axis", "replicate_axis"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (str, int))):
+                raise TypeError(
+                    f"fczero: {name} must be a mesh axis name (str) or index (int), got {value!r}."
+                )
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> ShardingOptions:

@@ -8,6 +8,10 @@ module runs forward eagerly, fczero installs saved-tensor hooks:
                (which param, and t's size/stride/offset within the gathered buffer)
     unpack(r): gather the param again (an all-gather in backward) -> view it as t was
 
+A tensor-parallel param (``fczero.meshes``) is shown to modules as a DTensor whose
+local tensor is the gathered one; autograd saves such DTensors, so ``pack`` looks at
+a DTensor's local tensor and ``unpack`` wraps the regathered view the same way.
+
 Backward walks the autograd graph in the same order on every rank, so the regathers
 are issued in the same order everywhere. Under ``torch.compile`` none of this runs:
 the gather is tagged for recomputation instead (see ``sharding.ShardSpec.unshard``).
@@ -22,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 if TYPE_CHECKING:
@@ -45,6 +50,17 @@ class _Recipe:
     offset: int
 
 
+@dataclass
+class _DTensorRecipe:
+    """Packed stand-in for a saved DTensor whose local tensor views an unsharded param."""
+
+    local: _Recipe
+    mesh: Any
+    placements: tuple
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
 class _Scope:
     """Unsharded params gathered during one eager forward, keyed by storage."""
 
@@ -53,6 +69,11 @@ class _Scope:
         self.regathered: dict[int, weakref.ref[torch.Tensor]] = {}
 
     def pack(self, t: torch.Tensor) -> Any:
+        if isinstance(t, DTensor):
+            local = self.pack(t._local_tensor)
+            if not isinstance(local, _Recipe):
+                return t
+            return _DTensorRecipe(local, t.device_mesh, t.placements, t.shape, t.stride())
         inner = t.elem if isinstance(t, AsyncCollectiveTensor) else t
         if not self.live or type(inner) not in (torch.Tensor, torch.nn.Parameter):
             return t  # nothing gathered yet, or a subclass that is not an unsharded param
@@ -63,6 +84,15 @@ class _Scope:
         return _Recipe(entry, inner.size(), inner.stride(), inner.storage_offset())
 
     def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _DTensorRecipe):
+            return DTensor.from_local(
+                self.unpack(packed.local),
+                packed.mesh,
+                packed.placements,
+                run_check=False,
+                shape=packed.shape,
+                stride=packed.stride,
+            )
         if not isinstance(packed, _Recipe):
             return packed
         key = id(packed.gathered)

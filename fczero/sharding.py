@@ -11,6 +11,10 @@ The gather pads every local shard to ``c`` rows, so all ranks all-gather the sam
 number of elements, then drops the padding rows. A 0-d param cannot be split along
 dim 0: it is ``Replicate()`` and its grad is all-reduced.
 
+With HSDP or tensor parallelism the sharded param lives on a larger mesh and a
+tensor-parallel param is split from its local tensor; ``fczero.meshes`` says where
+([Note: mesh roles]), and ``shard_tensor`` takes that as a ``ParamLayout``.
+
 [Note: module wiring]
 Each module that owns params gets a subclass of its own class (cached per class and
 names) in which every param name is a read-only property returning the unsharded
@@ -24,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -38,6 +43,9 @@ from torch.utils.checkpoint import (
 
 from fczero import collectives, prefetch, resharding
 from fczero.config import ShardingOptions
+
+if TYPE_CHECKING:
+    from fczero.meshes import ParamLayout, TensorParallelView
 
 logger = logging.getLogger("fczero")
 
@@ -59,6 +67,8 @@ class ShardSpec:
     group_name: str
     options: ShardingOptions
     keep_unsharded: bool = False  # selective unsharding: see fczero/unsharding.py
+    replicate: tuple[int, str] | None = None  # HSDP: (size, group name) of the replicate axis
+    tensor_parallel: TensorParallelView | None = None  # shows the module a TP DTensor
 
     @property
     def is_scalar(self) -> bool:
@@ -70,11 +80,23 @@ class ShardSpec:
         return math.prod(self.shape) * dtype.itemsize
 
     def unshard(self, param: torch.Tensor) -> torch.Tensor:
-        """Sharded param (DTensor) -> unsharded param (plain tensor), differentiably."""
+        """Sharded param (DTensor) -> unsharded param, differentiably: a plain tensor, or
+        for a tensor-parallel param the tensor-parallel DTensor (``fczero.meshes``)."""
+        full = self._unshard_local(param)
+        if self.tensor_parallel is not None:
+            return self.tensor_parallel.wrap(full)
+        return full
+
+    def _unshard_local(self, param: torch.Tensor) -> torch.Tensor:
         opts = self.options
         if self.is_scalar:
             return collectives.replicate_scalar(
-                _local(param), self.group_size, self.group_name, opts.param_dtype, opts.reduce_dtype
+                _local(param),
+                self.group_size,
+                self.group_name,
+                opts.param_dtype,
+                opts.reduce_dtype,
+                self.replicate,
             )
         if torch.compiler.is_compiling():
             if not opts.reshard_after_forward or self.keep_unsharded:
@@ -94,7 +116,12 @@ class ShardSpec:
             local = F.pad(local, [0, 0] * (local.dim() - 1) + [0, pad])
         opts = self.options
         full = collectives.gather_shard(
-            local, self.group_size, self.group_name, opts.param_dtype, opts.reduce_dtype
+            local,
+            self.group_size,
+            self.group_name,
+            opts.param_dtype,
+            opts.reduce_dtype,
+            self.replicate,
         )
         if full.shape[0] != self.shape[0]:
             full = full.narrow(0, 0, self.shape[0])
@@ -144,11 +171,23 @@ def quiet_gather_checkpoint_note() -> None:
 
 
 def shard_tensor(
-    tensor: torch.Tensor, mesh: DeviceMesh, options: ShardingOptions, requires_grad: bool
+    tensor: torch.Tensor,
+    mesh: DeviceMesh,
+    options: ShardingOptions,
+    requires_grad: bool,
+    layout: ParamLayout | None = None,
 ) -> tuple[nn.Parameter, ShardSpec]:
-    """Split a whole tensor (same on every rank) into this rank's sharded param."""
+    """Split a whole tensor (same on every rank) into this rank's sharded param.
+
+    ``mesh`` is the shard axis. ``layout`` (``fczero.meshes``) places the sharded param
+    on a larger mesh (HSDP, tensor parallelism); a tensor-parallel DTensor is split
+    from its local tensor, which every rank of the shard axis holds the same.
+    """
     group = mesh.get_group()
     world, rank = mesh.size(), mesh.get_local_rank()
+    whole_shape, whole_stride = tensor.shape, tensor.stride()
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
     tensor = tensor.detach().to(mesh_device(mesh))
     if tensor.dim() == 0:
         local, placement, rows, local_rows = tensor.clone(), Replicate(), 0, 0
@@ -157,8 +196,13 @@ def shard_tensor(
         start = min(rank * rows, tensor.shape[0])
         local_rows = min(rows, tensor.shape[0] - start)
         local, placement = tensor.narrow(0, start, local_rows).clone(), Shard(0)
+    if layout is None:
+        on, placements = mesh, [placement]
+    else:
+        on = layout.mesh
+        placements = layout.scalar_placements if tensor.dim() == 0 else layout.placements
     dtensor = DTensor.from_local(
-        local, mesh, [placement], run_check=False, shape=tensor.shape, stride=tensor.stride()
+        local, on, placements, run_check=False, shape=whole_shape, stride=whole_stride
     )
     spec = ShardSpec(
         shape=tensor.shape,
@@ -167,6 +211,8 @@ def shard_tensor(
         group_size=world,
         group_name=group.group_name,
         options=options,
+        replicate=layout.replicate if layout is not None else None,
+        tensor_parallel=layout.tensor_parallel if layout is not None else None,
     )
     return nn.Parameter(dtensor, requires_grad=requires_grad), spec
 

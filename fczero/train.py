@@ -2,6 +2,8 @@
 
     python -m fczero.train                 # 2 local processes, gloo on CPU or NCCL on GPUs
     torchrun --nproc-per-node 4 -m fczero.train --steps 300 --compile
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+        -m fczero.train --replicate 2      # HSDP: replicas across the 2 nodes
     fczero-train --param-dtype bf16 --reduce-dtype fp32 --json summary.json
 
 Run without a torchrun environment (no ``RANK`` / ``WORLD_SIZE``), it relaunches
@@ -128,6 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype of the grad reduce (--param-dtype)",
     )
     sharding.add_argument(
+        "--replicate",
+        type=int,
+        default=1,
+        metavar="N",
+        help="HSDP: N replicas, each sharding over world/N consecutive ranks (one node under "
+        "torchrun --nnodes N); grads are reduce-scattered, then all-reduced (%(default)s)",
+    )
+    sharding.add_argument(
         "--no-reshard",
         action="store_true",
         help="keep unsharded params from forward to backward (reshard_after_forward=False)",
@@ -168,7 +178,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.nproc is None:
         args.nproc = torch.cuda.device_count() if torch.cuda.is_available() else 2
-    for name in ("steps", "batch_size", "seq_len", "dim", "layers", "heads", "nproc", "log_every"):
+    for name in (
+        "steps",
+        "batch_size",
+        "seq_len",
+        "dim",
+        "layers",
+        "heads",
+        "nproc",
+        "log_every",
+        "replicate",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
@@ -183,6 +203,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         os.path.exists(os.path.join(d, ".metadata")) for d in (args.resume, args.resume + ".old")
     ):
         parser.error(f"--resume {args.resume}: no checkpoint there (a --save directory)")
+    under_torchrun = all(name in os.environ for name in _TORCHRUN_ENV)
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
+    if world % args.replicate:
+        parser.error(
+            f"--replicate {args.replicate} must divide the number of processes ({world}); "
+            "each replica shards over world/N ranks"
+        )
     return args
 
 
@@ -220,8 +247,9 @@ def _launch(nproc: int, argv: list[str]) -> int:
     return 0
 
 
-def _init_distributed() -> tuple[DeviceMesh, torch.device]:
-    """NCCL on this local rank's GPU when there is one, else gloo on the CPU."""
+def _init_distributed(replicate: int = 1) -> tuple[DeviceMesh, torch.device]:
+    """NCCL on this local rank's GPU when there is one, else gloo on the CPU. With
+    ``replicate`` > 1 the mesh is (replicate, shard): consecutive ranks (a node) shard."""
     world_size = int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -230,6 +258,9 @@ def _init_distributed() -> tuple[DeviceMesh, torch.device]:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
+    if replicate > 1:
+        shape, names = (replicate, world_size // replicate), ("replicate", "shard")
+        return init_device_mesh(device.type, shape, mesh_dim_names=names), device
     return init_device_mesh(device.type, (world_size,)), device
 
 
@@ -255,6 +286,7 @@ def _build_model(args: argparse.Namespace, mesh: DeviceMesh) -> nn.Module:
         param_dtype=_DTYPES.get(args.param_dtype),
         reduce_dtype=_DTYPES.get(args.reduce_dtype),
         reshard_after_forward=not args.no_reshard,
+        **({"axis": "shard", "replicate_axis": "replicate"} if args.replicate > 1 else {}),
     )
 
 
@@ -325,7 +357,7 @@ def train(args: argparse.Namespace) -> Summary:
     the GIL released, which lets the worker thread finish before shutdown begins.
     """
     start = time.perf_counter()
-    mesh, device = _init_distributed()
+    mesh, device = _init_distributed(args.replicate)
     try:
         summary = _train_loop(args, mesh, device, start)
         _drain_collectives()
@@ -480,6 +512,8 @@ def _header(
     mode = "compiled" if args.compile else "eager"
     dtypes = f"param {args.param_dtype or 'fp32'}, reduce {args.reduce_dtype or 'param'}"
     stage = "reshard after forward" if not args.no_reshard else "no reshard"
+    if args.replicate > 1:
+        stage += f", HSDP {args.replicate} replicas x {world // args.replicate} shards"
     return (
         f"fczero.train: Llama {n_params / 1e6:.2f}M params (dim {args.dim}, {args.layers} layers, "
         f"{args.heads} heads) | {world} ranks x batch {args.batch_size} x seq {args.seq_len} | "

@@ -4,7 +4,7 @@
 | ----------------------------- | ------------ | --------------------------------------------- |
 | bucket_all_gathers_pass       | bucketing.py | one all-gather per block                      |
 | bucket_reduce_scatters_pass   | bucketing.py | one reduce-scatter per block                  |
-| bucket_all_reduces_pass       | all_reduce.py| one all-reduce per block (stage 1 grads)      |
+| bucket_all_reduces_pass       | all_reduce.py| one all-reduce per block (stage 1 grads, HSDP) |
 | sink_waits_pass               | schedule.py  | waits just before first use                   |
 | prefetch_all_gathers_pass     | schedule.py  | gathers issued a block ahead, under a budget  |
 
@@ -35,7 +35,7 @@ def run_passes(gm: fx.GraphModule, settings: PassSettings | None = None) -> fx.G
     if settings.bucket_bytes > 0:
         gm = bucket_all_gathers_pass(gm, groups, settings.bucket_bytes)
         gm = bucket_reduce_scatters_pass(gm, groups, settings.bucket_bytes)
-        gm = bucket_all_reduces_pass(gm, groups, settings.bucket_bytes)
+        gm = bucket_all_reduces_pass(gm, groups | settings.replicate_groups, settings.bucket_bytes)
     gm = sink_waits_pass(gm, groups)
     gm = prefetch_all_gathers_pass(gm, groups, settings.prefetch, settings.memory_budget)
     return gm

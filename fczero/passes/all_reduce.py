@@ -1,4 +1,4 @@
-"""Bucketing of all-reduces (stage 1's grads, 0-d params' grads): one per bucket.
+"""Bucketing of all-reduces (stage 1's grads, HSDP's replicate-group grads): one per bucket.
 
 Under ``torch.compile`` stage 1 all-reduces each param's whole grad. Like the
 reduce-scatters in ``bucketing.py``, the all-reduces of one block (same group and

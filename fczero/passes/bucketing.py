@@ -12,6 +12,8 @@ concatenated shards; each param is then copied out of its column of the result:
 
 Reduces of one block become one reduce-scatter of the rank-major concatenation
 ``cat([g1.view(world, -1), g2.view(world, -1)], dim=1)``, split again after the wait.
+Under HSDP the all-reduces of the reduced shards over the replicate group are
+bucketed the same way: one all-reduce of ``cat([s1.view(-1), s2.view(-1)])``.
 Buckets are formed in program order from whole blocks (``matching.block_key``),
 packed while they fit in ``bucket_bytes``; a bucket under ``_MIN_BUCKET`` always takes
 the next block. All of it reads shapes and module paths only, so every rank forms

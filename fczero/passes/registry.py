@@ -20,17 +20,28 @@ class PassSettings:
     bucket_bytes: int
     prefetch: int
     memory_budget: int | None
+    replicate_groups: frozenset[str] = frozenset()  # HSDP: grads are all-reduced over these
 
 
 _BY_GROUP: dict[str, PassSettings] = {}
 
 
 def register(
-    group_name: str, *, bucket_bytes: int, prefetch: int, memory_budget: int | None
+    group_name: str,
+    *,
+    bucket_bytes: int,
+    prefetch: int,
+    memory_budget: int | None,
+    replicate_group: str | None = None,
 ) -> None:
-    """Record the settings for one group (a later ``parallelize`` on the same group wins)."""
+    """Record the settings for one group (a later ``parallelize`` on the same group wins).
+    ``replicate_group``: HSDP's replicate group, whose grad all-reduces are bucketed too."""
     _BY_GROUP[group_name] = PassSettings(
-        frozenset({group_name}), bucket_bytes, prefetch, memory_budget
+        frozenset({group_name}),
+        bucket_bytes,
+        prefetch,
+        memory_budget,
+        frozenset({replicate_group}) if replicate_group else frozenset(),
     )
 
 

@@ -94,16 +94,29 @@ def train_parallel(
     seed: int = 0,
     compile_backend: str | None = None,
     device_type: str = "cpu",
+    mesh_shape: tuple[int, ...] | None = None,
+    mesh_dim_names: tuple[str, ...] | None = None,
+    data_axes: tuple[str, ...] | None = None,
+    prepare: Callable[[nn.Module, Any], Any] | None = None,
     **options: Any,
 ) -> Trace:
-    """One rank of fczero training on its slice of every batch (call inside a process group)."""
+    """One rank of fczero training on its slice of every batch (call inside a process group).
+
+    By default the mesh is 1-d over all ranks and each rank takes its own slice. For
+    other meshes (HSDP, tensor parallelism) give ``mesh_shape``/``mesh_dim_names``;
+    ``data_axes`` names the axes the batch is split over (ranks that differ only on
+    other axes see the same slice), and ``prepare(model, mesh)`` runs before
+    ``fczero.parallelize`` (e.g. tensor parallelism's ``parallelize_module``).
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
     import fczero
 
     torch.manual_seed(seed)
     model = build()
-    mesh = init_device_mesh(device_type, (world_size,))
+    mesh = init_device_mesh(device_type, mesh_shape or (world_size,), mesh_dim_names=mesh_dim_names)
+    if prepare is not None:
+        prepare(model, mesh)
     fczero.parallelize(model, mesh, **options)
     step_fn: Callable[[torch.Tensor], torch.Tensor] = model
     if compile_backend is not None:
@@ -111,7 +124,15 @@ def train_parallel(
 
         step_fn = torch.compile(model, backend=BACKENDS.get(compile_backend, compile_backend))
     device = next(model.parameters()).device
-    local = [_slice(b, rank, world_size, device) for b in batches]
+    data_rank, data_size = rank, world_size
+    if data_axes is not None:
+        data_rank, data_size = 0, 1
+        for axis in data_axes:  # row-major over the data axes
+            data_rank = data_rank * mesh.size(
+                mesh.mesh_dim_names.index(axis)
+            ) + mesh.get_local_rank(axis)
+            data_size *= mesh.size(mesh.mesh_dim_names.index(axis))
+    local = [_slice(b, data_rank, data_size, device) for b in batches]
 
     def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t)
