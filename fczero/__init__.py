@@ -7,6 +7,14 @@ and reduces are traceable functional collectives, so plain ``torch.compile`` see
 
 from fczero.api import is_parallelized, parallelize
 from fczero.config import ShardingOptions
+from fczero.consistency import CollectiveMismatchError
+from fczero.grads import check_finite_grads
 
-__all__ = ["ShardingOptions", "is_parallelized", "parallelize"]
+__all__ = [
+    "CollectiveMismatchError",
+    "ShardingOptions",
+    "check_finite_grads",
+    "is_parallelized",
+    "parallelize",
+]
 __version__ = "0.1.0"

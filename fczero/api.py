@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from functools import partial
 
 import torch
@@ -12,8 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
+from fczero import consistency, guards, resharding
 from fczero import prefetch as eager_prefetch
-from fczero import resharding
 from fczero.config import ShardingOptions
 from fczero.passes import registry
 from fczero.passes.install import install
@@ -44,6 +45,8 @@ def parallelize(
     bucket_bytes: int = 128 * 2**20,
     prefetch: int = 1,
     memory_budget: int | None = None,
+    check_collectives: bool = False,
+    check_timeout_s: float = 300.0,
     **unknown: object,
 ) -> nn.Module:
     """Shard every parameter of ``model`` over ``mesh`` (ZeRO stage 3), in place.
@@ -64,7 +67,7 @@ def parallelize(
         mesh: a ``DeviceMesh``; with more than one axis, name the data-parallel one
             with ``axis``.
         param_dtype, reduce_dtype, reshard_after_forward, axis, compile_passes,
-        bucket_bytes, prefetch, memory_budget: see :class:`fczero.ShardingOptions`
+        bucket_bytes, prefetch, memory_budget, check_collectives, check_timeout_s: see :class:`fczero.ShardingOptions`
             (one docstring per field).
 
     Returns:
@@ -83,10 +86,21 @@ def parallelize(
         bucket_bytes=bucket_bytes,
         prefetch=prefetch,
         memory_budget=memory_budget,
+        check_collectives=check_collectives,
+        check_timeout_s=check_timeout_s,
         **unknown,
     )
     dp_mesh = _data_parallel_mesh(mesh, options.axis)
     owners = _validate_model(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    guards.check_before(model, [(names[id(p)], p) for _, _, p in owners], dp_mesh)
+    replaced = {id(p): (names[id(p)], p) for _, _, p in owners}
+    group_name = dp_mesh.get_group().group_name
+    if options.check_collectives:  # the one exchange before sharding: ranks must agree
+        params = list(model.named_parameters())
+        consistency.check_model(
+            group_name, dp_mesh.size(), options, params, options.check_timeout_s
+        )
 
     specs_by_param: dict[int, tuple[nn.Parameter, ShardSpec]] = {}
     wiring: dict[nn.Module, dict[str, ShardSpec]] = {}
@@ -103,15 +117,21 @@ def parallelize(
     if options.compile_passes:
         _install_passes(dp_mesh, options)
     else:
-        registry.unregister(dp_mesh.get_group().group_name)
+        registry.unregister(group_name)
 
     setattr(model, ROOT_ATTR, options)
+    guards.protect(model, list(replaced.values()))
     # [Note: no eager prefetch on gloo] With several eager all-gathers in flight, gloo
     # ranks crashed intermittently (SIGSEGV/SIGABRT, about one full test run in two, torch
     # 2.13 CPU); the cause is not found. Until it is, gloo gathers one param at a time.
     gloo = dist.get_backend(dp_mesh.get_group()) == "gloo"
     window = 0 if gloo else options.bucket_bytes * options.prefetch
     model.__dict__["_fczero_prefetch"] = eager_prefetch.EagerPrefetch(window)
+    if options.check_collectives:
+        consistency.enable(group_name, options.check_timeout_s)
+        model.__dict__["_fczero_eager_log"] = consistency.EagerLog(
+            group_name, options.check_timeout_s
+        )
     model.register_forward_pre_hook(_root_pre_forward, with_kwargs=True)
     model.register_forward_hook(_root_post_forward, always_call=True)
     logger.info(
@@ -240,6 +260,9 @@ def _root_pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     if eager_prefetch.active is None:  # the outermost parallelized root prefetches
         eager_prefetch.active = module.__dict__["_fczero_prefetch"]
         eager_prefetch.active.start()
+    log = module.__dict__.get("_fczero_eager_log")
+    if log is not None and consistency.EagerLog.active is None:
+        log.start()
     return args, kwargs
 
 
@@ -257,3 +280,9 @@ def _root_post_forward(module: nn.Module, args: object, output: object) -> None:
     scope = module.__dict__.pop("_fczero_scope", None)
     if scope is not None:
         scope.__exit__(None, None, None)
+    log = module.__dict__.get("_fczero_eager_log")
+    if log is not None and consistency.EagerLog.active is log:
+        if sys.exc_info()[0] is None:
+            log.finish()  # compare this forward's gathers with every rank's
+        else:
+            consistency.EagerLog.active = None  # the forward raised: that error goes up

@@ -36,7 +36,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from fczero import collectives, prefetch, resharding
+from fczero import collectives, consistency, prefetch, resharding
 from fczero.config import ShardingOptions
 
 logger = logging.getLogger("fczero")
@@ -114,6 +114,7 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 def _eager_gather(spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
     """The eager gather of a sharded param (stage 3: recorded so that saving it packs a recipe)."""
+    consistency.note_gather(spec.shape, spec.options.param_dtype)
     full = spec._gather(_local(param))
     resharding.register_gathered(full, spec, param)
     return full
