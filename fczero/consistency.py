@@ -132,7 +132,11 @@ def _mismatch(what: str, rank: int, mine: list[str], other: int, theirs: list[st
 
 
 def check_model(
-    group_name: str, world: int, options: object, params: list[tuple[str, torch.Tensor]], timeout_s: float
+    group_name: str,
+    world: int,
+    options: object,
+    params: list[tuple[str, torch.Tensor]],
+    timeout_s: float,
 ) -> None:
     """Every rank parallelizes the same params with the same options over the same group size."""
     entries = [f"group size {world}", f"options {options!r}"]

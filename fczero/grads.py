@@ -27,7 +27,9 @@ def check_finite_grads(model: nn.Module, *, raise_error: bool = True) -> list[st
     ``if fczero.check_finite_grads(model, raise_error=False): optimizer.zero_grad()``.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"fczero.check_finite_grads needs an nn.Module, got {type(model).__name__}.")
+        raise TypeError(
+            f"fczero.check_finite_grads needs an nn.Module, got {type(model).__name__}."
+        )
     named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
     if not named:
         return []

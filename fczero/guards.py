@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 logger = logging.getLogger("fczero")
 

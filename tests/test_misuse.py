@@ -98,8 +98,11 @@ def test_optimizer_built_before_parallelize(fake_pg):
     model = TwoLayer()
     early = torch.optim.SGD(model.parameters(), lr=0.1)
     fczero.parallelize(model, _mesh())
-    with pytest.raises(RuntimeError, match=r"SGD holds 3 parameter\(s\) that parallelize replaced "
-                       r"\('fc1.weight', 'fc1.bias', 'fc2.weight'\).*after parallelize"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"SGD holds 3 parameter\(s\) that parallelize replaced "
+        r"\('fc1.weight', 'fc1.bias', 'fc2.weight'\).*after parallelize",
+    ):
         early.step()
     late = torch.optim.SGD(model.parameters(), lr=0.1)
     late.step()  # built after: steps (no grads yet, so nothing changes)
@@ -121,8 +124,11 @@ def test_moving_or_casting_after_parallelize(fake_pg, move, message):
     model.register_buffer("steps", torch.zeros(2))
     fczero.parallelize(model, _mesh())
     before = {n: (p.dtype, p.device) for n, p in model.named_parameters()}
-    with pytest.raises(RuntimeError, match=r"moving or casting a parallelized model is not "
-                       r"supported.*" + message):
+    with pytest.raises(
+        RuntimeError,
+        match=r"moving or casting a parallelized model is not "
+        r"supported.*" + message,
+    ):
         move(model)
     assert {n: (p.dtype, p.device) for n, p in model.named_parameters()} == before
     assert model.steps.dtype == torch.float32  # nothing was converted, buffers neither
@@ -157,16 +163,22 @@ def test_param_shared_with_a_module_that_is_not_parallelized(fake_pg):
     outer = _Outer()
     fczero.parallelize(outer.enc, _mesh())
     loss = outer(torch.randn(3, 8))
-    with pytest.raises(RuntimeError, match=r"backward reached the old tensor of parameter "
-                       r"'fc1.weight'.*Parallelize the module that contains every user"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"backward reached the old tensor of parameter "
+        r"'fc1.weight'.*Parallelize the module that contains every user",
+    ):
         loss.backward()
 
 
 def test_param_shared_with_a_model_parallelized_before(fake_pg):
     outer = _Outer()
     fczero.parallelize(outer.enc, _mesh())
-    with pytest.raises(ValueError, match=r"parameter 'weight' was already replaced by an earlier "
-                       r"parallelize \(as 'fc1.weight'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"parameter 'weight' was already replaced by an earlier "
+        r"parallelize \(as 'fc1.weight'\)",
+    ):
         fczero.parallelize(outer.dec, _mesh())
     assert not isinstance(outer.dec.weight, DTensor)
 
@@ -185,7 +197,9 @@ def test_check_finite_grads_unsharded_model():
     assert fczero.check_finite_grads(model) == []
     model.fc2.weight.grad[0, 0] = float("inf")
     assert fczero.check_finite_grads(model, raise_error=False) == ["fc2.weight"]
-    with pytest.raises(FloatingPointError, match=r"1 parameter\(s\) hold NaN or inf \('fc2.weight'\)"):
+    with pytest.raises(
+        FloatingPointError, match=r"1 parameter\(s\) hold NaN or inf \('fc2.weight'\)"
+    ):
         fczero.check_finite_grads(model)
 
 
