@@ -8,7 +8,8 @@ unrelated collectives. These checks turn that into an error within
 
 Each check publishes this rank's *fingerprint* (a list of short strings, one per
 collective) in the process group's c10d store under a key that every rank computes
-the same way, then reads every other rank's fingerprint with a timeout:
+the same way, then reads every other rank's fingerprint with a timeout (and drops its
+previous key of that kind, which nobody reads again):
 
 - at ``parallelize``: the group size, the options and every param's name, shape,
   dtype and ``requires_grad`` (``check_model``). Differing models compile different
@@ -30,6 +31,7 @@ the check to find a hang, not as a guard in every production run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from datetime import timedelta
@@ -84,7 +86,8 @@ def exchange(group_name: str, kind: str, entries: list[str], timeout_s: float, w
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     number = _ROUNDS.get((group_name, kind), 0)
     _ROUNDS[(group_name, kind)] = number + 1
-    store = dist.PrefixStore(f"fczero/{group_name}/{kind}/{number}/", c10d._get_default_store())
+    base = c10d._get_default_store()
+    store = dist.PrefixStore(f"fczero/{group_name}/{kind}/{number}", base)
     store.set(str(rank), json.dumps(entries))
     others = [r for r in range(world) if r != rank]
     try:
@@ -103,6 +106,11 @@ def exchange(group_name: str, kind: str, entries: list[str], timeout_s: float, w
         theirs = json.loads(store.get(str(other)).decode())
         if theirs != entries:
             raise CollectiveMismatchError(_mismatch(what, rank, entries, other, theirs))
+    if number > 0:
+        # Every rank wrote round ``number`` after reading all of round ``number - 1``, so
+        # nobody reads this rank's previous key again: drop it (eager checks every step).
+        with contextlib.suppress(RuntimeError, NotImplementedError):
+            dist.PrefixStore(f"fczero/{group_name}/{kind}/{number - 1}", base).delete_key(str(rank))
 
 
 def _summary(entries: list[str], limit: int = 4) -> str:
