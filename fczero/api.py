@@ -67,8 +67,8 @@ def parallelize(
         mesh: a ``DeviceMesh``; with more than one axis, name the data-parallel one
             with ``axis``.
         param_dtype, reduce_dtype, reshard_after_forward, axis, compile_passes,
-        bucket_bytes, prefetch, memory_budget, check_collectives, check_timeout_s: see :class:`fczero.ShardingOptions`
-            (one docstring per field).
+        bucket_bytes, prefetch, memory_budget, check_collectives, check_timeout_s: see
+            :class:`fczero.ShardingOptions` (one docstring per field).
 
     Returns:
         ``model`` itself, parallelized.
@@ -76,6 +76,8 @@ def parallelize(
     Raises:
         TypeError / ValueError: for a bad option, mesh or model, before any param is
             touched and before any collective runs.
+        fczero.CollectiveMismatchError: with ``check_collectives``, when the ranks pass
+            different models or options (also before any param is touched).
     """
     options = ShardingOptions.from_kwargs(
         param_dtype=param_dtype,
@@ -92,12 +94,11 @@ def parallelize(
     )
     dp_mesh = _data_parallel_mesh(mesh, options.axis)
     owners = _validate_model(model)
-    names = {id(p): n for n, p in model.named_parameters()}
+    params = list(model.named_parameters())  # each param once, under its first name
+    names = {id(p): n for n, p in params}
     guards.check_before(model, [(names[id(p)], p) for _, _, p in owners], dp_mesh)
-    replaced = {id(p): (names[id(p)], p) for _, _, p in owners}
     group_name = dp_mesh.get_group().group_name
     if options.check_collectives:  # the one exchange before sharding: ranks must agree
-        params = list(model.named_parameters())
         consistency.check_model(
             group_name, dp_mesh.size(), options, params, options.check_timeout_s
         )
@@ -120,7 +121,7 @@ def parallelize(
         registry.unregister(group_name)
 
     setattr(model, ROOT_ATTR, options)
-    guards.protect(model, list(replaced.values()))
+    guards.protect(model, params)  # ``params`` holds the replaced (old) params
     # [Note: no eager prefetch on gloo] With several eager all-gathers in flight, gloo
     # ranks crashed intermittently (SIGSEGV/SIGABRT, about one full test run in two, torch
     # 2.13 CPU); the cause is not found. Until it is, gloo gathers one param at a time.

@@ -103,7 +103,11 @@ class ShardingOptions:
                 f"fczero: check_collectives must be True or False, got {self.check_collectives!r}."
             )
         timeout = self.check_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(
+                f"fczero: check_timeout_s must be a positive number of seconds, got {timeout!r}."
+            )
+        if not timeout > 0:
             raise ValueError(
                 f"fczero: check_timeout_s must be a positive number of seconds, got {timeout!r}."
             )
