@@ -232,3 +232,34 @@ def test_checks_agree_or_refuse_at_the_same_point_on_every_rank():
         assert seconds < 30
     assert "fc1.weight [16, 8]" in results[0]["different models"][1]
     assert "0.weight [16, 8]" in results[0]["different models"][1]
+
+
+@pytest.mark.slow  # stock Inductor on CPU: C++ compiles
+def test_inductor_hands_every_compiled_graph_to_the_check(fake_pg, monkeypatch):
+    """The check runs inside Inductor's post-grad hook, on forward and backward graphs
+    (the fake group has no peers, so the exchange itself is recorded instead)."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    from fczero import consistency
+
+    seen: list[tuple[str, list[str], str]] = []
+    monkeypatch.setattr(
+        consistency, "exchange", lambda group, kind, entries, timeout, what: seen.append(
+            (kind, entries, what)
+        )
+    )  # fmt: skip
+    model = fczero.parallelize(
+        TwoLayer(), init_device_mesh("cpu", (2,)), check_collectives=True, check_timeout_s=5.0
+    )
+    # a cache hit skips the post-grad hook (docs/troubleshooting.md): compile for real
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(
+        enable_autograd_cache=False
+    ):
+        torch.compile(model)(torch.randn(3, 8)).sum().backward()
+    graphs = [(entries, what) for kind, entries, what in seen if kind == "graph"]
+    assert len(graphs) == 2  # forward, then backward
+    forward, backward = graphs[0][0], graphs[1][0]
+    assert forward.count("all_gather_into_tensor float32[16, 8]") == 1  # fc1.weight, gathered
+    assert any(e.startswith("reduce_scatter_tensor") for e in backward)
+    assert [kind for kind, _, _ in seen][0] == "parallelize"
