@@ -13,6 +13,8 @@ wrongly, each silent without them:
   optimizer that holds a replaced param. A module outside the parallelized model that
   shares a param (a tied weight) also keeps the old tensor; a gradient hook on the old
   tensor raises as soon as backward reaches it.
+- *loading a full state dict*: ``load_state_dict`` with plain (unsharded) tensors fails
+  deep in DTensor's dispatch; a pre-hook on the root names the param and the way to load.
 - *moving or casting the model* (``.to``, ``.cuda``, ``.half``, ``.double``...): every
   module of the model gets a subclass (same class name) whose ``_apply`` refuses a
   conversion that would change a sharded param's device or dtype, before anything is
@@ -102,6 +104,7 @@ def protect(model: nn.Module, replaced: list[tuple[str, nn.Parameter]]) -> None:
         if old.requires_grad:
             old.register_hook(_stale_param_hook(name))
     _install_optimizer_hook()
+    model.register_load_state_dict_pre_hook(_refuse_plain_state)
     for module in model.modules():
         owns_params = next(module.parameters(), None) is not None
         if owns_params and not getattr(type(module), _GUARD_ATTR, False):
@@ -156,6 +159,25 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: obj
             "train. Build the optimizer after parallelize, from model.parameters()."
         )
     _CHECKED_OPTIMIZERS.add(optimizer)
+
+
+def _refuse_plain_state(
+    module: nn.Module, state_dict: dict, prefix: str, *args: object
+) -> None:
+    """Before anything is copied: a plain tensor for a sharded param is a full state dict."""
+    for name, param in module.named_parameters():
+        value = state_dict.get(prefix + name)
+        if isinstance(param, DTensor) and isinstance(value, torch.Tensor):
+            if not isinstance(value, DTensor):
+                raise ValueError(
+                    f"fczero: load_state_dict got a plain tensor for {prefix + name!r}, a "
+                    f"sharded param ({list(value.shape)} here; fczero holds it as a Shard(0) "
+                    "DTensor). Load a full state dict before parallelize, or load it into "
+                    "the parallelized model with torch.distributed.checkpoint.state_dict."
+                    "set_model_state_dict(model, state, options=StateDictOptions("
+                    "full_state_dict=True)). A sharded state dict (model.state_dict() after "
+                    "parallelize) loads as is."
+                )
 
 
 def _guarded_class(cls: type) -> type:

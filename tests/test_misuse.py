@@ -146,6 +146,21 @@ def test_moves_that_change_nothing_are_allowed(fake_pg):
     assert type(model.inp).__name__ == "FCZeroLinear"  # the guard keeps class names
 
 
+def test_loading_a_full_state_dict_after_parallelize(fake_pg):
+    model = TwoLayer()
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    fczero.parallelize(model, _mesh())
+    sharded = model.state_dict()
+    before = model.fc1._parameters["weight"].to_local().clone()
+    with torch.no_grad():
+        full["fc1.weight"].fill_(7.0)
+    with pytest.raises(ValueError, match=r"load_state_dict got a plain tensor for 'fc1.weight', "
+                       r"a sharded param .*set_model_state_dict"):
+        model.load_state_dict(full)
+    assert torch.equal(model.fc1._parameters["weight"].to_local(), before)  # nothing copied
+    assert not model.load_state_dict(sharded).missing_keys  # a sharded one loads as is
+
+
 class _Outer(nn.Module):
     """``enc`` is parallelized alone; ``dec`` ties its weight to ``enc.fc1.weight``."""
 
