@@ -46,7 +46,7 @@ def check_finite_grads(model: nn.Module, *, raise_error: bool = True) -> list[st
         (mesh,) = meshes
         group = mesh.get_group() if mesh.ndim == 1 else None
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
-    bad = [name for (name, _), ok in zip(named, flags.tolist()) if not ok]
+    bad = [name for (name, _), ok in zip(named, flags.tolist(), strict=True) if not ok]
     if bad and raise_error:
         shown = ", ".join(repr(n) for n in bad[:5]) + (" ..." if len(bad) > 5 else "")
         raise FloatingPointError(

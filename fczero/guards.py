@@ -161,9 +161,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: obj
     _CHECKED_OPTIMIZERS.add(optimizer)
 
 
-def _refuse_plain_state(
-    module: nn.Module, state_dict: dict, prefix: str, *args: object
-) -> None:
+def _refuse_plain_state(module: nn.Module, state_dict: dict, prefix: str, *args: object) -> None:
     """Before anything is copied: a plain tensor for a sharded param is a full state dict."""
     for name, param in module.named_parameters():
         value = state_dict.get(prefix + name)

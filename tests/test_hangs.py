@@ -253,8 +253,9 @@ def test_inductor_hands_every_compiled_graph_to_the_check(fake_pg, monkeypatch):
         TwoLayer(), init_device_mesh("cpu", (2,)), check_collectives=True, check_timeout_s=5.0
     )
     # a cache hit skips the post-grad hook (docs/troubleshooting.md): compile for real
-    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(
-        enable_autograd_cache=False
+    with (
+        inductor_config.patch(fx_graph_cache=False),
+        functorch_config.patch(enable_autograd_cache=False),
     ):
         torch.compile(model)(torch.randn(3, 8)).sum().backward()
     graphs = [(entries, what) for kind, entries, what in seen if kind == "graph"]

@@ -154,8 +154,11 @@ def test_loading_a_full_state_dict_after_parallelize(fake_pg):
     before = model.fc1._parameters["weight"].to_local().clone()
     with torch.no_grad():
         full["fc1.weight"].fill_(7.0)
-    with pytest.raises(ValueError, match=r"load_state_dict got a plain tensor for 'fc1.weight', "
-                       r"a sharded param .*set_model_state_dict"):
+    with pytest.raises(
+        ValueError,
+        match=r"load_state_dict got a plain tensor for 'fc1.weight', "
+        r"a sharded param .*set_model_state_dict",
+    ):
         model.load_state_dict(full)
     assert torch.equal(model.fc1._parameters["weight"].to_local(), before)  # nothing copied
     assert not model.load_state_dict(sharded).missing_keys  # a sharded one loads as is
