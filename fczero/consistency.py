@@ -123,7 +123,8 @@ def _summary(entries: list[str], limit: int = 4) -> str:
 
 def _mismatch(what: str, rank: int, mine: list[str], other: int, theirs: list[str]) -> str:
     index = next(
-        (i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), min(len(mine), len(theirs))
+        (i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b),
+        min(len(mine), len(theirs)),
     )
     here = mine[index] if index < len(mine) else "nothing (its list ends)"
     there = theirs[index] if index < len(theirs) else "nothing (its list ends)"
