@@ -9,10 +9,14 @@ from fczero import checkpoint
 from fczero.accumulation import no_sync, set_requires_gradient_sync
 from fczero.api import is_parallelized, parallelize
 from fczero.config import ShardingOptions
+from fczero.consistency import CollectiveMismatchError
+from fczero.grads import check_finite_grads
 from fczero.stages import refresh_params
 
 __all__ = [
+    "CollectiveMismatchError",
     "ShardingOptions",
+    "check_finite_grads",
     "checkpoint",
     "is_parallelized",
     "no_sync",

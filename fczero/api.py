@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
+from fczero import consistency, guards, resharding, stages, unsharding
 from fczero import prefetch as eager_prefetch
-from fczero import resharding, stages, unsharding
 from fczero.config import ShardingOptions
 from fczero.meshes import MeshLayout, resolve_mesh
 from fczero.passes import registry
@@ -48,6 +50,8 @@ def parallelize(
     memory_budget: int | None = None,
     unsharded_budget: int = 0,
     stage: int = 3,
+    check_collectives: bool = False,
+    check_timeout_s: float = 300.0,
     **unknown: object,
 ) -> nn.Module:
     """Shard every parameter of ``model`` over ``mesh`` (ZeRO stage 3 by default), in place.
@@ -70,7 +74,8 @@ def parallelize(
             Params that are already tensor-parallel DTensors must live on other axes
             of this same mesh (``fczero.meshes``).
         param_dtype, reduce_dtype, reshard_after_forward, axis, replicate_axis,
-        compile_passes, bucket_bytes, prefetch, memory_budget, unsharded_budget, stage: see
+        compile_passes, bucket_bytes, prefetch, memory_budget, unsharded_budget, stage,
+        check_collectives, check_timeout_s: see
             :class:`fczero.ShardingOptions`
             (one docstring per field).
 
@@ -80,6 +85,8 @@ def parallelize(
     Raises:
         TypeError / ValueError: for a bad option, mesh or model, before any param is
             touched and before any collective runs.
+        fczero.CollectiveMismatchError: with ``check_collectives``, when the ranks pass
+            different models or options (also before any param is touched).
     """
     options = ShardingOptions.from_kwargs(
         param_dtype=param_dtype,
@@ -93,6 +100,8 @@ def parallelize(
         memory_budget=memory_budget,
         unsharded_budget=unsharded_budget,
         stage=stage,
+        check_collectives=check_collectives,
+        check_timeout_s=check_timeout_s,
         **unknown,
     )
     layout = resolve_mesh(mesh, options.axis, options.replicate_axis)
@@ -104,6 +113,14 @@ def parallelize(
         raise ValueError(
             f"fczero: stage={options.stage} is not supported with HSDP (replicate_axis) or "
             "tensor-parallel params yet; use stage=3 (the default) on such meshes."
+        )
+    params = list(model.named_parameters())  # each param once, under its first name
+    names = {id(p): n for n, p in params}
+    guards.check_before(model, [(names[id(p)], p) for *_, p in owners], dp_mesh)
+    group_name = dp_mesh.get_group().group_name
+    if options.check_collectives:  # the one exchange before sharding: ranks must agree
+        consistency.check_model(
+            group_name, dp_mesh.size(), options, params, options.check_timeout_s
         )
 
     specs_by_param: dict[int, tuple[nn.Parameter, ShardSpec]] = {}
@@ -139,15 +156,21 @@ def parallelize(
     if options.compile_passes:
         _install_passes(dp_mesh, options, layout.replicate_mesh)
     else:
-        registry.unregister(dp_mesh.get_group().group_name)
+        registry.unregister(group_name)
 
     setattr(model, ROOT_ATTR, options)
+    guards.protect(model, params)  # ``params`` holds the replaced (old) params
     # [Note: no eager prefetch on gloo] With several eager all-gathers in flight, gloo
     # ranks crashed intermittently (SIGSEGV/SIGABRT, about one full test run in two, torch
     # 2.13 CPU); the cause is not found. Until it is, gloo gathers one param at a time.
     gloo = dist.get_backend(dp_mesh.get_group()) == "gloo"
     window = 0 if gloo else options.bucket_bytes * options.prefetch
     model.__dict__["_fczero_prefetch"] = eager_prefetch.EagerPrefetch(window)
+    if options.check_collectives:
+        consistency.enable(group_name, options.check_timeout_s)
+        model.__dict__["_fczero_eager_log"] = consistency.EagerLog(
+            group_name, options.check_timeout_s
+        )
     model.register_forward_pre_hook(_root_pre_forward, with_kwargs=True)
     model.register_forward_hook(_root_post_forward, always_call=True)
     logger.info(
@@ -244,6 +267,9 @@ def _root_pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     if eager_prefetch.active is None:  # the outermost parallelized root prefetches
         eager_prefetch.active = module.__dict__["_fczero_prefetch"]
         eager_prefetch.active.start()
+    log = module.__dict__.get("_fczero_eager_log")
+    if log is not None and consistency.EagerLog.active is None:
+        log.start()
     return args, kwargs
 
 
@@ -261,3 +287,9 @@ def _root_post_forward(module: nn.Module, args: object, output: object) -> None:
     scope = module.__dict__.pop("_fczero_scope", None)
     if scope is not None:
         scope.__exit__(None, None, None)
+    log = module.__dict__.get("_fczero_eager_log")
+    if log is not None and consistency.EagerLog.active is log:
+        if sys.exc_info()[0] is None:
+            log.finish()  # compare this forward's gathers with every rank's
+        else:
+            consistency.EagerLog.active = None  # the forward raised: that error goes up

@@ -72,6 +72,17 @@ class ShardingOptions:
     and each rank keeps its rows. Optimizer state is sharded in every stage.
     ``reshard_after_forward`` applies to stage 3 only."""
 
+    check_collectives: bool = False
+    """Check that every rank issues the same collectives (``fczero/consistency.py``): the
+    model and options at ``parallelize``, each compiled graph's collectives when it is
+    compiled, and each eager forward's gathers at its end. A difference raises
+    ``fczero.CollectiveMismatchError`` naming the first differing collective, instead of
+    a hang. Costs a c10d store round trip per compiled graph and per eager forward."""
+
+    check_timeout_s: float = 300.0
+    """With ``check_collectives``: seconds a rank waits for the others at a check before
+    it raises (ranks compile at different speeds: leave room for the slowest compile)."""
+
     def __post_init__(self) -> None:
         if (
             not isinstance(self.stage, int)
@@ -115,6 +126,19 @@ class ShardingOptions:
         if not isinstance(self.compile_passes, bool):
             raise TypeError(
                 f"fczero: compile_passes must be True or False, got {self.compile_passes!r}."
+            )
+        if not isinstance(self.check_collectives, bool):
+            raise TypeError(
+                f"fczero: check_collectives must be True or False, got {self.check_collectives!r}."
+            )
+        timeout = self.check_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(
+                f"fczero: check_timeout_s must be a positive number of seconds, got {timeout!r}."
+            )
+        if not timeout > 0:
+            raise ValueError(
+                f"fczero: check_timeout_s must be a positive number of seconds, got {timeout!r}."
             )
         for name in ("axis", "replicate_axis"):
             value = getattr(self, name)

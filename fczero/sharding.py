@@ -41,7 +41,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from fczero import collectives, prefetch, resharding
+from fczero import collectives, consistency, prefetch, resharding
 from fczero.config import ShardingOptions
 
 if TYPE_CHECKING:
@@ -141,6 +141,7 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 def _eager_gather(spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
     """The eager gather of a sharded param (stage 3: recorded so that saving it packs a recipe)."""
+    consistency.note_gather(spec.shape, spec.options.param_dtype)
     full = spec._gather(_local(param))
     if not spec.keep_unsharded:
         resharding.register_gathered(full, spec, param)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from fczero import consistency
 from fczero.passes.all_reduce import bucket_all_reduces_pass
 from fczero.passes.bucketing import bucket_all_gathers_pass, bucket_reduce_scatters_pass
 from fczero.passes.registry import PassSettings, settings_for_graph
@@ -27,6 +28,7 @@ __all__ = ["PassSettings", "run_passes"]
 
 def run_passes(gm: fx.GraphModule, settings: PassSettings | None = None) -> fx.GraphModule:
     """Apply every fczero pass to ``gm`` (a post-grad forward or backward graph)."""
+    consistency.check_graph(gm)  # with check_collectives: the same collectives on every rank
     if settings is None:
         settings = settings_for_graph(gm.graph)
         if settings is None:

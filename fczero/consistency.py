@@ -1,0 +1,239 @@
+"""Opt-in checks that every rank issues the same collectives (``check_collectives=True``).
+
+fczero's collective order is the same on every rank as long as every rank runs the
+same code on the same shapes. When that fails (a rank-dependent branch, a graph break
+or a recompile on some ranks only), ranks wait on each other forever, or pair
+unrelated collectives. These checks turn that into an error within
+``check_timeout_s`` seconds that says which collective differs.
+
+Each check publishes this rank's *fingerprint* (a list of short strings, one per
+collective) in the process group's c10d store under a key that every rank computes
+the same way, then reads every other rank's fingerprint with a timeout (and drops its
+previous key of that kind, which nobody reads again):
+
+- at ``parallelize``: the group size, the options and every param's name, shape,
+  dtype and ``requires_grad`` (``check_model``). Differing models compile different
+  collectives, so this is refused before anything is sharded.
+- for every graph that Inductor (or ``fczero.testing.backends``) compiles with
+  collectives on a checked group: the graph's collectives in program order, under
+  the graph's number on this rank (``check_graph``, called by ``fczero.passes``).
+  A graph break or recompile on one rank only gives that rank a graph the others
+  do not compile at the same number: a mismatch or a timeout, at compile time.
+- in eager mode, at the end of each forward of the parallelized root: the gathers the
+  forward issued (``EagerLog``). A forward that skipped a module on one rank differs.
+
+Costs: a store round trip per compiled graph (nothing per compiled step), and one per
+eager forward. Limits: the graph check runs where fczero's passes run (not with
+``compile_passes=False``), and a graph that Inductor takes from its FX graph cache on
+some ranks but compiles on others is checked on those ranks only (they time out): use
+the check to find a hang, not as a guard in every production run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.distributed import distributed_c10d as c10d
+
+from fczero.memory import op_name
+
+logger = logging.getLogger("fczero")
+
+_COLLECTIVES = {
+    "all_gather_into_tensor": -1,  # op name -> index of its group-name argument
+    "reduce_scatter_tensor": 3,
+    "all_reduce": 2,
+}
+
+_TIMEOUT_S: dict[str, float] = {}  # checked group name -> seconds to wait for the other ranks
+_GRAPHS: dict[str, int] = {}  # group name -> graphs checked so far on this rank
+_ROUNDS: dict[tuple[str, str], int] = {}  # (group, kind) -> exchanges so far on this rank
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks would issue different collectives (or one rank never reached the check)."""
+
+
+def enable(group_name: str, timeout_s: float) -> None:
+    """Check the graphs compiled for ``group_name`` from now on."""
+    _TIMEOUT_S[group_name] = timeout_s
+
+
+def disable(group_name: str) -> None:
+    _TIMEOUT_S.pop(group_name, None)
+
+
+def _checkable(group_name: str) -> bool:
+    """The fake process group (one process playing every rank) has no peers to ask."""
+    return dist.get_backend(c10d._resolve_process_group(group_name)) != "fake"
+
+
+def exchange(group_name: str, kind: str, entries: list[str], timeout_s: float, what: str) -> None:
+    """Publish ``entries`` as this rank's fingerprint of ``what``; raise if another rank's differs.
+
+    ``kind`` names the sequence of exchanges this belongs to; the n-th exchange of a kind
+    on one rank is compared with the n-th of the same kind on every other rank.
+    """
+    if not _checkable(group_name):
+        return
+    group = c10d._resolve_process_group(group_name)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    number = _ROUNDS.get((group_name, kind), 0)
+    _ROUNDS[(group_name, kind)] = number + 1
+    base = c10d._get_default_store()
+    store = dist.PrefixStore(f"fczero/{group_name}/{kind}/{number}", base)
+    store.set(str(rank), json.dumps(entries))
+    others = [r for r in range(world) if r != rank]
+    try:
+        store.wait([str(r) for r in others], timedelta(seconds=timeout_s))
+    except RuntimeError as e:  # the store's timeout (DistStoreError on recent torch)
+        missing = [r for r in others if not store.check([str(r)])]
+        raise CollectiveMismatchError(
+            f"fczero: rank {rank} reached {what} but rank(s) {missing} did not within "
+            f"{timeout_s:g} s. This rank's collectives there: {_summary(entries)}. The "
+            "other ranks are elsewhere: a recompile or graph break on some ranks only "
+            "(a rank-dependent shape or Python value), a rank-dependent branch, or a rank "
+            "that stopped. See 'Ranks issue different collectives' in "
+            "docs/troubleshooting.md."
+        ) from e
+    for other in others:
+        theirs = json.loads(store.get(str(other)).decode())
+        if theirs != entries:
+            raise CollectiveMismatchError(_mismatch(what, rank, entries, other, theirs))
+    if number > 0:
+        # Every rank wrote round ``number`` after reading all of round ``number - 1``, so
+        # nobody reads this rank's previous key again: drop it (eager checks every step).
+        with contextlib.suppress(RuntimeError, NotImplementedError):
+            dist.PrefixStore(f"fczero/{group_name}/{kind}/{number - 1}", base).delete_key(str(rank))
+
+
+def _summary(entries: list[str], limit: int = 4) -> str:
+    if not entries:
+        return "none"
+    shown = ", ".join(entries[:limit])
+    more = f" and {len(entries) - limit} more" if len(entries) > limit else ""
+    return f"{len(entries)} ({shown}{more})"
+
+
+def _mismatch(what: str, rank: int, mine: list[str], other: int, theirs: list[str]) -> str:
+    index = next(
+        (i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b),
+        min(len(mine), len(theirs)),
+    )
+    here = mine[index] if index < len(mine) else "nothing (its list ends)"
+    there = theirs[index] if index < len(theirs) else "nothing (its list ends)"
+    return (
+        f"fczero: ranks {rank} and {other} differ at {what}: entry #{index} is {here} on "
+        f"rank {rank} but {there} on rank {other} ({len(mine)} against {len(theirs)} "
+        "entries). Left alone, the ranks would wait on each other or pair unrelated "
+        "collectives. Every rank must run the same code on the same shapes: see 'Ranks "
+        "issue different collectives' in docs/troubleshooting.md."
+    )
+
+
+# ---- at parallelize -------------------------------------------------------------------
+
+
+def check_model(
+    group_name: str,
+    world: int,
+    options: object,
+    params: list[tuple[str, torch.Tensor]],
+    timeout_s: float,
+) -> None:
+    """Every rank parallelizes the same params with the same options over the same group size."""
+    entries = [f"group size {world}", f"options {options!r}"]
+    entries += [f"{n} {list(p.shape)} {p.dtype} grad={p.requires_grad}" for n, p in params]
+    exchange(group_name, "parallelize", entries, timeout_s, "parallelize (the model and options)")
+
+
+# ---- compiled graphs ------------------------------------------------------------------
+
+
+def graph_collectives(graph: fx.Graph) -> dict[str, list[str]]:
+    """The collectives of ``graph`` on each checked group, in program order."""
+    found: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = op_name(node)
+        if name not in _COLLECTIVES:
+            continue
+        group = node.args[_COLLECTIVES[name]]
+        if group not in _TIMEOUT_S:
+            continue
+        val = node.meta.get("val")
+        desc = name
+        if isinstance(val, torch.Tensor):
+            desc += f" {str(val.dtype).removeprefix('torch.')}{list(val.shape)}"
+        found.setdefault(group, []).append(desc)
+    return found
+
+
+def check_graph(gm: fx.GraphModule) -> None:
+    """Compare this graph's collectives with the graph of the same number on every rank."""
+    for group, entries in graph_collectives(gm.graph).items():
+        number = _GRAPHS.get(group, 0)
+        _GRAPHS[group] = number + 1
+        exchange(
+            group, "graph", entries, _TIMEOUT_S[group], f"compiled graph #{number} of this process"
+        )
+
+
+# ---- eager forwards -------------------------------------------------------------------
+
+
+class EagerLog:
+    """The gathers one eager forward of a parallelized root issued, for ``exchange``."""
+
+    active: EagerLog | None = None  # the log of the forward running now, if it is checked
+
+    def __init__(self, group_name: str, timeout_s: float) -> None:
+        self.group_name = group_name
+        self.timeout_s = timeout_s
+        self.entries: list[str] = []
+        self.forwards = 0
+
+    def note(self, shape: torch.Size, dtype: torch.dtype | None) -> None:
+        dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else "same"
+        self.entries.append(f"gather {list(shape)} as {dtype_name}")
+
+    def start(self) -> None:
+        self.entries = []
+        EagerLog.active = self
+
+    def finish(self) -> None:
+        EagerLog.active = None
+        self.forwards += 1
+        exchange(
+            self.group_name,
+            "eager",
+            self.entries,
+            self.timeout_s,
+            f"the end of eager forward #{self.forwards - 1}",
+        )
+
+
+def note_gather(shape: torch.Size, dtype: torch.dtype | None) -> None:
+    """Record an eager gather in the checked forward running now (a no-op otherwise)."""
+    if EagerLog.active is not None:
+        EagerLog.active.note(shape, dtype)
+
+
+__all__ = [
+    "CollectiveMismatchError",
+    "EagerLog",
+    "check_graph",
+    "check_model",
+    "disable",
+    "enable",
+    "exchange",
+    "graph_collectives",
+    "note_gather",
+]

@@ -1,0 +1,220 @@
+"""Guards against misuse around ``parallelize``: checks before it, traps after it.
+
+Before sharding (``check_before``, called once all of ``parallelize``'s own input checks
+passed): refuse an empty model, a model on an accelerator with a CPU mesh, and params
+that an earlier ``parallelize`` already replaced (a weight shared by two models).
+
+After sharding (``protect``), three traps for the ways a parallelized model is used
+wrongly, each silent without them:
+
+- *the old params*: ``parallelize`` replaces every param with a new sharded one. An
+  optimizer built before it still holds the old tensors, which never get a gradient,
+  so it would train nothing. A global optimizer step pre-hook refuses to step an
+  optimizer that holds a replaced param. A module outside the parallelized model that
+  shares a param (a tied weight) also keeps the old tensor; a gradient hook on the old
+  tensor raises as soon as backward reaches it.
+- *loading a full state dict*: ``load_state_dict`` with plain (unsharded) tensors fails
+  deep in DTensor's dispatch; a pre-hook on the root names the param and the way to load.
+- *moving or casting the model* (``.to``, ``.cuda``, ``.half``, ``.double``...): every
+  module of the model gets a subclass (same class name) whose ``_apply`` refuses a
+  conversion that would change a sharded param's device or dtype, before anything is
+  converted (modules without params in their subtree are left alone). A conversion that
+  leaves every param as it is (``model.to(its device)``) is allowed and applied to the
+  buffers only.
+
+Nothing here runs a collective or is on the path of a training step, except the one
+optimizer hook, which looks at each optimizer once.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+logger = logging.getLogger("fczero")
+
+# id(old param) -> (weak reference to it, its qualified name). A plain dict keyed by id:
+# tensors compare elementwise, so they cannot be keys of a WeakKeyDictionary.
+_REPLACED: dict[int, tuple[weakref.ref, str]] = {}
+_CHECKED_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
+_OPTIMIZER_HOOK: object | None = None
+_GUARDED_CLASSES: dict[type, type] = {}
+_GUARD_ATTR = "_fczero_guarded"
+
+
+# ---- before sharding ------------------------------------------------------------------
+
+
+def check_before(
+    model: nn.Module, owners: list[tuple[str, torch.Tensor]], mesh: DeviceMesh
+) -> None:
+    """Refuse what ``parallelize`` cannot shard well; ``owners`` are (qualified name, param)."""
+    if not owners:
+        raise ValueError(
+            f"fczero: {type(model).__name__} has no parameters, so there is nothing to shard. "
+            "Pass the module that owns the weights (build or load them first)."
+        )
+    check_devices([(name, p.device) for name, p in owners], mesh.device_type)
+    for name, param in owners:
+        old_name = replaced_name(param)
+        if old_name is not None:
+            raise ValueError(
+                f"fczero: parameter {name!r} was already replaced by an earlier parallelize "
+                f"(as {old_name!r}): it is shared with a model that is parallelized. Put both "
+                "models under one root module and parallelize that root once."
+            )
+
+
+def check_devices(params: Iterable[tuple[str, torch.device]], mesh_device_type: str) -> None:
+    """Refuse params on an accelerator when the mesh is a CPU mesh (they would move back to CPU)."""
+    if mesh_device_type != "cpu":
+        return  # CPU params on an accelerator mesh are moved there: the usual way to build
+    for name, device in params:
+        if device.type not in ("cpu", "meta"):
+            raise ValueError(
+                f"fczero: parameter {name!r} is on {device} but the mesh is a CPU mesh, so "
+                f"parallelize would move it back to the CPU. Build the mesh on the model's "
+                f"device: init_device_mesh({device.type!r}, (world_size,)) (with a "
+                "process group of that device's backend, e.g. nccl for cuda)."
+            )
+
+
+def replaced_name(param: torch.Tensor) -> str | None:
+    """The name under which ``parallelize`` replaced ``param``, or None if it did not."""
+    entry = _REPLACED.get(id(param))
+    if entry is not None and entry[0]() is param:
+        return entry[1]
+    return None
+
+
+# ---- after sharding -------------------------------------------------------------------
+
+
+def protect(model: nn.Module, replaced: list[tuple[str, nn.Parameter]]) -> None:
+    """Arm the traps of the module docstring for a freshly parallelized ``model``."""
+    for name, old in replaced:
+        _remember(old, name)
+        if old.requires_grad:
+            old.register_hook(_stale_param_hook(name))
+    _install_optimizer_hook()
+    model.register_load_state_dict_pre_hook(_refuse_plain_state)
+    for module in model.modules():
+        owns_params = next(module.parameters(), None) is not None
+        if owns_params and not getattr(type(module), _GUARD_ATTR, False):
+            module.__class__ = _guarded_class(type(module))
+
+
+def _remember(old: torch.Tensor, name: str) -> None:
+    key = id(old)
+
+    def forget(_ref: weakref.ref, key: int = key) -> None:
+        entry = _REPLACED.get(key)
+        if entry is not None and entry[0] is _ref:
+            del _REPLACED[key]
+
+    _REPLACED[key] = (weakref.ref(old, forget), name)
+
+
+def _stale_param_hook(name: str) -> Callable[[torch.Tensor], None]:
+    def hook(grad: torch.Tensor) -> None:
+        raise RuntimeError(
+            f"fczero: backward reached the old tensor of parameter {name!r}, which "
+            "parallelize replaced with a sharded param: a module outside the parallelized "
+            "model still uses it (a weight shared or tied with a module that was not "
+            "parallelized), and it would train apart from the sharded copy. Parallelize "
+            "the module that contains every user of the weight."
+        )
+
+    return hook
+
+
+def _install_optimizer_hook() -> None:
+    global _OPTIMIZER_HOOK
+    if _OPTIMIZER_HOOK is None:
+        _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_check_optimizer)
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    """Refuse to step an optimizer that holds params ``parallelize`` replaced (checked once)."""
+    if optimizer in _CHECKED_OPTIMIZERS:
+        return
+    stale = [
+        name
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if (name := replaced_name(p)) is not None
+    ]
+    if stale:
+        shown = ", ".join(repr(n) for n in stale[:3]) + (" ..." if len(stale) > 3 else "")
+        raise RuntimeError(
+            f"fczero: this {type(optimizer).__name__} holds {len(stale)} parameter(s) that "
+            f"parallelize replaced ({shown}); they never get a gradient, so nothing would "
+            "train. Build the optimizer after parallelize, from model.parameters()."
+        )
+    _CHECKED_OPTIMIZERS.add(optimizer)
+
+
+def _refuse_plain_state(module: nn.Module, state_dict: dict, prefix: str, *args: object) -> None:
+    """Before anything is copied: a plain tensor for a sharded param is a full state dict."""
+    for name, param in module.named_parameters():
+        value = state_dict.get(prefix + name)
+        if isinstance(param, DTensor) and isinstance(value, torch.Tensor):
+            if not isinstance(value, DTensor):
+                raise ValueError(
+                    f"fczero: load_state_dict got a plain tensor for {prefix + name!r}, a "
+                    f"sharded param ({list(value.shape)} here; fczero holds it as a Shard(0) "
+                    "DTensor). Load a full state dict before parallelize, or load it into "
+                    "the parallelized model with torch.distributed.checkpoint.state_dict."
+                    "set_model_state_dict(model, state, options=StateDictOptions("
+                    "full_state_dict=True)). A sharded state dict (model.state_dict() after "
+                    "parallelize) loads as is."
+                )
+
+
+def _guarded_class(cls: type) -> type:
+    guarded = _GUARDED_CLASSES.get(cls)
+    if guarded is None:
+        attrs = {"_apply": _guarded_apply, _GUARD_ATTR: True, "__module__": cls.__module__}
+        guarded = type(cls.__name__, (cls,), attrs)
+        guarded.__qualname__ = cls.__qualname__
+        _GUARDED_CLASSES[cls] = guarded
+    return guarded
+
+
+def _guarded_apply(self: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
+    """``nn.Module._apply`` for a parallelized model: refuse to move or cast sharded params.
+
+    ``fn`` is tried on an empty tensor like each param's local shard; if any would change
+    device or dtype, nothing is converted and the call raises. Otherwise the params stay
+    as they are and ``fn`` is applied to the buffers.
+    """
+    params = self.named_parameters() if recurse else self._parameters.items()
+    for name, param in params:
+        if param is None:
+            continue
+        local = param.to_local() if isinstance(param, DTensor) else param
+        probe = fn(torch.empty(0, dtype=local.dtype, device=local.device))
+        if probe.dtype != local.dtype or probe.device != local.device:
+            raise RuntimeError(
+                f"fczero: moving or casting a parallelized model is not supported: this call "
+                f"would change parameter {name!r} from {local.device} {local.dtype} to "
+                f"{probe.device} {probe.dtype}. Move and cast the model before parallelize "
+                "(it places params on the mesh's device); for compute in another precision, "
+                "use parallelize(..., param_dtype=...)."
+            )
+    modules = self.modules() if recurse else [self]
+    for module in modules:
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = fn(buf)
+    return self
+
+
+__all__ = ["check_before", "check_devices", "protect", "replaced_name"]

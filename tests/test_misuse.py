@@ -1,0 +1,246 @@
+"""Misuse around parallelize: each bad input or bad use gets a clear error (the table in
+docs/troubleshooting.md). The errors of parallelize's own arguments that tests/test_api.py
+already covers are not repeated here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+import fczero
+from fczero import guards
+from fczero.testing.distributed import run_on_ranks
+from tests.models import TwoLayer, UnevenTiedMLP
+
+
+def _assert_untouched(model: nn.Module) -> None:
+    assert not fczero.is_parallelized(model)
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _mesh(n: int = 2):
+    return init_device_mesh("cpu", (n,))
+
+
+# ---- before parallelize ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ({"bucket_bytes": 1.5}, r"bucket_bytes must be an int \(bytes or a count\), got 1.5"),
+        ({"prefetch": -1}, r"prefetch=-1 is negative; use 0 or more"),
+        ({"memory_budget": True}, r"memory_budget must be an int .* got True \(bool\)"),
+        ({"compile_passes": 1}, r"compile_passes must be True or False, got 1"),
+        ({"check_collectives": "yes"}, r"check_collectives must be True or False"),
+        ({"check_timeout_s": 0}, r"check_timeout_s must be a positive number of seconds"),
+        ({"check_timeout_s": "5"}, r"check_timeout_s must be a positive number of seconds"),
+    ],
+)
+def test_more_wrong_option_types(fake_pg, option, message):
+    model = TwoLayer()
+    with pytest.raises((TypeError, ValueError), match=message):
+        fczero.parallelize(model, _mesh(), **option)
+    _assert_untouched(model)
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True)
+def test_wrong_mesh_axes(fake_pg):
+    model = TwoLayer()
+    named = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "shard"))
+    with pytest.raises(ValueError, match=r"axis=5 is out of range for a 2-axis mesh"):
+        fczero.parallelize(model, named, axis=5)
+    with pytest.raises(ValueError, match=r"pick an axis of a multi-axis mesh by name"):
+        fczero.parallelize(model, init_device_mesh("cpu", (2, 2)), axis=1)
+    with pytest.raises(ValueError, match=r"axis='dp' is not an axis of this 1-d mesh"):
+        fczero.parallelize(model, _mesh(4), axis="dp")
+    _assert_untouched(model)
+
+
+def test_mesh_larger_than_the_world(fake_pg):
+    # torch itself refuses a mesh of more ranks than the process group has
+    with pytest.raises(RuntimeError, match=r"Mesh should not be bigger than default world size"):
+        init_device_mesh("cpu", (4,))
+
+
+def test_empty_model(fake_pg):
+    model = nn.Sequential(nn.ReLU(), nn.Tanh())
+    with pytest.raises(ValueError, match=r"Sequential has no parameters, so there is nothing"):
+        fczero.parallelize(model, _mesh())
+    _assert_untouched(model)
+
+
+def test_param_already_a_dtensor(fake_pg):
+    model = TwoLayer()
+    mesh = _mesh()
+    model.fc2.weight = nn.Parameter(distribute_tensor(model.fc2.weight.detach(), mesh, [Shard(0)]))
+    with pytest.raises(ValueError, match=r"'fc2.weight' is already a DTensor; fczero shards plain"):
+        fczero.parallelize(model, mesh)
+    assert not fczero.is_parallelized(model)
+
+
+def test_accelerator_params_with_a_cpu_mesh():
+    # A CPU machine has no accelerator tensors: the rule is checked on (name, device) pairs.
+    with pytest.raises(ValueError, match=r"'fc1.weight' is on cuda:0 but the mesh is a CPU mesh"):
+        guards.check_devices([("fc1.weight", torch.device("cuda", 0))], "cpu")
+    guards.check_devices([("fc1.weight", torch.device("cpu"))], "cpu")
+    guards.check_devices([("fc1.weight", torch.device("cpu"))], "cuda")  # moved to the GPU: fine
+    guards.check_devices([("fc1.weight", torch.device("cuda", 1))], "cuda")
+
+
+# ---- after parallelize ----------------------------------------------------------------
+
+
+def test_optimizer_built_before_parallelize(fake_pg):
+    model = TwoLayer()
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    fczero.parallelize(model, _mesh())
+    with pytest.raises(
+        RuntimeError,
+        match=r"SGD holds 3 parameter\(s\) that parallelize replaced "
+        r"\('fc1.weight', 'fc1.bias', 'fc2.weight'\).*after parallelize",
+    ):
+        early.step()
+    late = torch.optim.SGD(model.parameters(), lr=0.1)
+    late.step()  # built after: steps (no grads yet, so nothing changes)
+    late.step()
+
+
+@pytest.mark.parametrize(
+    ("move", "message"),
+    [
+        (lambda m: m.double(), r"'fc1.weight' from cpu torch.float32 to cpu torch.float64"),
+        (lambda m: m.half(), r"to cpu torch.float16"),
+        (lambda m: m.to(torch.bfloat16), r"to cpu torch.bfloat16"),
+        (lambda m: m.to("meta"), r"from cpu torch.float32 to meta torch.float32"),
+        (lambda m: m.fc2.double(), r"'weight' from cpu torch.float32 to cpu torch.float64"),
+    ],
+)
+def test_moving_or_casting_after_parallelize(fake_pg, move, message):
+    model = TwoLayer()
+    model.register_buffer("steps", torch.zeros(2))
+    fczero.parallelize(model, _mesh())
+    before = {n: (p.dtype, p.device) for n, p in model.named_parameters()}
+    with pytest.raises(
+        RuntimeError,
+        match=r"moving or casting a parallelized model is not "
+        r"supported.*" + message,
+    ):
+        move(model)
+    assert {n: (p.dtype, p.device) for n, p in model.named_parameters()} == before
+    assert model.steps.dtype == torch.float32  # nothing was converted, buffers neither
+
+
+def test_moves_that_change_nothing_are_allowed(fake_pg):
+    model = UnevenTiedMLP()
+    fczero.parallelize(model, _mesh())
+    params = dict(model.named_parameters())
+    assert model.to("cpu") is model
+    assert model.float() is model
+    assert model.cpu() is model
+    assert dict(model.named_parameters()) == params  # the same param objects
+    assert all(model._parameters[n] is p for n, p in params.items() if "." not in n)
+    assert type(model.inp).__name__ == "FCZeroLinear"  # the guard keeps class names
+
+
+def test_loading_a_full_state_dict_after_parallelize(fake_pg):
+    model = TwoLayer()
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    fczero.parallelize(model, _mesh())
+    sharded = model.state_dict()
+    before = model.fc1._parameters["weight"].to_local().clone()
+    with torch.no_grad():
+        full["fc1.weight"].fill_(7.0)
+    with pytest.raises(
+        ValueError,
+        match=r"load_state_dict got a plain tensor for 'fc1.weight', "
+        r"a sharded param .*set_model_state_dict",
+    ):
+        model.load_state_dict(full)
+    assert torch.equal(model.fc1._parameters["weight"].to_local(), before)  # nothing copied
+    assert not model.load_state_dict(sharded).missing_keys  # a sharded one loads as is
+
+
+class _Outer(nn.Module):
+    """``enc`` is parallelized alone; ``dec`` ties its weight to ``enc.fc1.weight``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = TwoLayer()
+        self.dec = nn.Linear(8, 16, bias=False)
+        self.dec.weight = self.enc.fc1.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dec(x).sum() + self.enc(x).sum()
+
+
+def test_param_shared_with_a_module_that_is_not_parallelized(fake_pg):
+    outer = _Outer()
+    fczero.parallelize(outer.enc, _mesh())
+    loss = outer(torch.randn(3, 8))
+    with pytest.raises(
+        RuntimeError,
+        match=r"backward reached the old tensor of parameter "
+        r"'fc1.weight'.*Parallelize the module that contains every user",
+    ):
+        loss.backward()
+
+
+def test_param_shared_with_a_model_parallelized_before(fake_pg):
+    outer = _Outer()
+    fczero.parallelize(outer.enc, _mesh())
+    with pytest.raises(
+        ValueError,
+        match=r"parameter 'weight' was already replaced by an earlier "
+        r"parallelize \(as 'fc1.weight'\)",
+    ):
+        fczero.parallelize(outer.dec, _mesh())
+    assert not isinstance(outer.dec.weight, DTensor)
+
+
+# ---- check_finite_grads ---------------------------------------------------------------
+
+
+def test_check_finite_grads_needs_a_module():
+    with pytest.raises(TypeError, match=r"check_finite_grads needs an nn.Module, got list"):
+        fczero.check_finite_grads([])
+
+
+def test_check_finite_grads_unsharded_model():
+    model = TwoLayer()
+    model(torch.randn(2, 8)).sum().backward()
+    assert fczero.check_finite_grads(model) == []
+    model.fc2.weight.grad[0, 0] = float("inf")
+    assert fczero.check_finite_grads(model, raise_error=False) == ["fc2.weight"]
+    with pytest.raises(
+        FloatingPointError, match=r"1 parameter\(s\) hold NaN or inf \('fc2.weight'\)"
+    ):
+        fczero.check_finite_grads(model)
+
+
+def _nan_on_one_rank(rank: int, world: int) -> tuple[list[str], list[str], str]:
+    torch.manual_seed(0)
+    model = UnevenTiedMLP()
+    fczero.parallelize(model, init_device_mesh("cpu", (world,)))
+    model(torch.randn(4, 5)).sum().backward()
+    clean = fczero.check_finite_grads(model)
+    if rank == 1:  # the shard of rank 1 only: rank 0 cannot see it without the all-reduce
+        model.hidden._parameters["bias"].grad.to_local()[0] = float("nan")
+    bad = fczero.check_finite_grads(model, raise_error=False)
+    try:
+        fczero.check_finite_grads(model)
+        message = ""
+    except FloatingPointError as e:
+        message = str(e)
+    return clean, bad, message
+
+
+def test_check_finite_grads_agrees_on_every_rank():
+    results = run_on_ranks(_nan_on_one_rank, 2, timeout_s=120)
+    for clean, bad, message in results:
+        assert clean == []
+        assert bad == ["hidden.bias"]
+        assert "1 parameter(s) hold NaN or inf ('hidden.bias')" in message
