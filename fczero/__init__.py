@@ -7,6 +7,7 @@ and reduces are traceable functional collectives, so plain ``torch.compile`` see
 
 from fczero.api import is_parallelized, parallelize
 from fczero.config import ShardingOptions
+from fczero.offload.optimizer import offload_optimizer_states
 
-__all__ = ["ShardingOptions", "is_parallelized", "parallelize"]
+__all__ = ["ShardingOptions", "is_parallelized", "offload_optimizer_states", "parallelize"]
 __version__ = "0.1.0"
