@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_map_only
 from fczero import prefetch as eager_prefetch
 from fczero import resharding
 from fczero.config import ShardingOptions
+from fczero.offload import partition as offload_partition
 from fczero.passes import registry
 from fczero.passes.install import install
 from fczero.sharding import (
@@ -219,8 +220,12 @@ def _install_passes(mesh: DeviceMesh, options: ShardingOptions) -> None:
         bucket_bytes=options.bucket_bytes,
         prefetch=options.prefetch,
         memory_budget=budget,
+        activation_offload=options.activation_offload,
+        offload_min_bytes=options.offload_min_bytes,
     )
     install()
+    if options.activation_offload != "off":
+        offload_partition.install()
 
 
 def _root_pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

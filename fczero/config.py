@@ -52,6 +52,16 @@ class ShardingOptions:
     from shapes) once gathers are prefetched. None: 90% of the accelerator's memory,
     unlimited on CPU."""
 
+    activation_offload: str = "off"
+    """Saved-for-backward activations in host memory between forward and backward, for
+    compiled graphs (docs/memory.md). ``"off"``; ``"all"``: every computed, contiguous
+    activation of at least ``offload_min_bytes``; ``"auto"``: the largest first, until
+    the planned peak is within ``memory_budget`` (nothing without a budget)."""
+
+    offload_min_bytes: int = 1 << 20
+    """Smallest activation ``activation_offload`` moves; smaller copies cost more than
+    they save."""
+
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
@@ -72,7 +82,12 @@ class ShardingOptions:
                 "fczero: reshard_after_forward must be True (stage 3: free after forward) or "
                 f"False (keep for backward), got {self.reshard_after_forward!r}."
             )
-        for name in ("bucket_bytes", "prefetch", "memory_budget"):
+        if self.activation_offload not in ("off", "auto", "all"):
+            raise ValueError(
+                f"fczero: activation_offload={self.activation_offload!r}; use 'off', 'auto' "
+                "(within memory_budget) or 'all'."
+            )
+        for name in ("bucket_bytes", "prefetch", "memory_budget", "offload_min_bytes"):
             value = getattr(self, name)
             if value is None and name == "memory_budget":
                 continue

@@ -20,17 +20,30 @@ class PassSettings:
     bucket_bytes: int
     prefetch: int
     memory_budget: int | None
+    activation_offload: str = "off"
+    offload_min_bytes: int = 0
 
 
 _BY_GROUP: dict[str, PassSettings] = {}
 
 
 def register(
-    group_name: str, *, bucket_bytes: int, prefetch: int, memory_budget: int | None
+    group_name: str,
+    *,
+    bucket_bytes: int,
+    prefetch: int,
+    memory_budget: int | None,
+    activation_offload: str = "off",
+    offload_min_bytes: int = 0,
 ) -> None:
     """Record the settings for one group (a later ``parallelize`` on the same group wins)."""
     _BY_GROUP[group_name] = PassSettings(
-        frozenset({group_name}), bucket_bytes, prefetch, memory_budget
+        frozenset({group_name}),
+        bucket_bytes,
+        prefetch,
+        memory_budget,
+        activation_offload,
+        offload_min_bytes,
     )
 
 
