@@ -224,8 +224,7 @@ def _install_passes(mesh: DeviceMesh, options: ShardingOptions) -> None:
         offload_min_bytes=options.offload_min_bytes,
     )
     install()
-    if options.activation_offload != "off":
-        offload_partition.install()
+    offload_partition.install(required=options.activation_offload != "off")
 
 
 def _root_pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

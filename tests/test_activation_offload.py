@@ -8,6 +8,9 @@ call ``offload_activations`` on forward/backward pairs of a plain MLP.
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import expecttest
 import pytest
 import torch
@@ -54,6 +57,7 @@ class GraphTest(expecttest.TestCase):
     def compile(self, **options) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         torch.manual_seed(0)
         model = fczero.parallelize(ThreeBlocks(64), init_device_mesh("cpu", (2,)), **options)
+        self.model = model
         out = torch.compile(model, backend=backends.aot_eager_with_passes)(torch.randn(8, 64))
         out.sum().backward()
         fw, bw = backends.recorded
@@ -106,11 +110,51 @@ mm_6 = mm(t_13, reload_default)
 mm_7 = mm(t_16, primals_5)""",
         )
 
+    def test_memory_report_lists_the_plan_and_plots_it(self):
+        self.compile(activation_offload="all", offload_min_bytes=0)
+        report = fczero.memory_report(self.model)
+        text = str(report)
+        (plan,) = report.plans
+        assert "activation_offload='all'" in text and "offloaded relu_1" in text
+        assert "not measured (CPU)" in text
+        assert f"{plan.peak_before / 2**20:.2f} MiB -> {plan.peak_after / 2**20:.2f} MiB" in text
+        # the curves are the memory model's: their maxima are the planned peaks
+        assert max(plan.curve_after[0] + plan.curve_after[1]) == plan.peak_after
+        assert max(plan.curve_before[0] + plan.curve_before[1]) == plan.peak_before
+        with tempfile.TemporaryDirectory() as tmp:
+            path = report.plot(os.path.join(tmp, "memory.png"))
+            with open(path, "rb") as f:
+                assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        with pytest.raises(ValueError, match="call fczero.parallelize"):
+            fczero.memory_report(nn.Linear(2, 2))
+
+    @pytest.mark.slow
+    def test_inductor_compiles_the_offload(self):
+        from torch._inductor.utils import run_and_get_code
+
+        torch.manual_seed(0)
+        model = fczero.parallelize(
+            ThreeBlocks(64),
+            init_device_mesh("cpu", (2,)),
+            activation_offload="all",
+            offload_min_bytes=0,
+        )
+        compiled = torch.compile(model)
+
+        def step():
+            compiled(torch.randn(8, 64)).sum().backward()
+
+        _, (fw_code, bw_code) = run_and_get_code(step)
+        assert fw_code.count("torch.ops.fczero.offload.default(") == 3
+        assert bw_code.count("torch.ops.fczero.reload.default(") == 3
+        assert bw_code.count("torch.ops.fczero.reload_wait.default(") == 3
+
     def test_off_changes_nothing(self):
         fw, bw = self.compile()
         names = {op_name(n) for g in (fw, bw) for n in g.graph.nodes}
         assert not names & {"offload", "reload", "reload_wait"}
-        assert not recorded_plans
+        (plan,) = recorded_plans["0"]  # the plan is recorded (for memory_report), empty
+        assert plan.mode == "off" and not plan.offloaded and plan.peak_after == plan.peak_before
 
 
 def _train(rank: int, world_size: int, offload: str) -> list[torch.Tensor]:

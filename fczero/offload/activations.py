@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from fczero.memory import nbytes, peak_bytes, storage_root
+from fczero.memory import live_bytes, nbytes, peak_bytes, storage_root
 from fczero.offload import ops  # noqa: F401 - registers torch.ops.fczero.*
 from fczero.passes.graph_utils import fake_mode_of, insert, position
 
@@ -52,6 +52,9 @@ class ActivationPlan:
     forward_peak: int = 0
     backward_peak: int = 0
     hoisted: int = 0
+    # device bytes alive at each node, forward then backward, before and after the rewrite
+    curve_before: tuple[list[int], list[int]] = ([], [])
+    curve_after: tuple[list[int], list[int]] = ([], [])
 
 
 def _saved_pairs(fw: fx.Graph, bw: fx.Graph, num_fwd_outputs: int) -> list[tuple[fx.Node, fx.Node]]:
@@ -106,6 +109,10 @@ def _device_type(graph: fx.Graph) -> str:
 def planned_peak(graph: fx.Graph) -> int:
     """Device bytes the graph allocates at its peak (inputs and host tensors left out)."""
     return peak_bytes(graph, _host_nodes(graph))
+
+
+def _curves(fw: fx.Graph, bw: fx.Graph) -> tuple[list[int], list[int]]:
+    return live_bytes(fw, _host_nodes(fw)), live_bytes(bw, _host_nodes(bw))
 
 
 def _first_user(node: fx.Node) -> fx.Node:
@@ -166,9 +173,12 @@ def offload_activations(
         raise ValueError(f"fczero: activation_offload={mode!r}; use one of {MODES}.")
     fw, bw = fw_gm.graph, bw_gm.graph
     plan = ActivationPlan(mode, budget, min_bytes)
-    plan.peak_before = max(planned_peak(fw), planned_peak(bw))
+    plan.curve_before = _curves(fw, bw)
+    plan.forward_peak = max(plan.curve_before[0], default=0)
+    plan.backward_peak = max(plan.curve_before[1], default=0)
+    plan.peak_before = plan.peak_after = max(plan.forward_peak, plan.backward_peak)
+    plan.curve_after = plan.curve_before
     if mode == "off":
-        plan.peak_after = plan.peak_before
         return plan
     candidates = []
     for a, p in _saved_pairs(fw, bw, num_fwd_outputs):
@@ -202,7 +212,9 @@ def offload_activations(
     bw.lint()
     fw_gm.recompile()
     bw_gm.recompile()
-    plan.forward_peak, plan.backward_peak = planned_peak(fw), planned_peak(bw)
+    plan.curve_after = _curves(fw, bw)
+    plan.forward_peak = max(plan.curve_after[0], default=0)
+    plan.backward_peak = max(plan.curve_after[1], default=0)
     plan.peak_after = max(plan.forward_peak, plan.backward_peak)
     logger.info(
         "activation offload (%s): %d tensors (%.1f MiB) to host memory, %d kept; planned peak "

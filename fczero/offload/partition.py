@@ -2,8 +2,9 @@
 
 Only the partitioner sees both graphs and knows which forward outputs are saved for
 backward, so activation offload runs here rather than among the post-grad passes.
-``partition`` wraps the min-cut partitioner (or the one the user had set) and is a
-no-op for graphs whose process group asked for no offload. ``install`` hands it to
+``partition`` wraps the min-cut partitioner (or the one the user had set) and leaves
+graphs whose process group asked for no offload as they are (it only records
+their planned peak for ``memory_report``). ``install`` hands it to
 Inductor through ``torch._inductor.config.custom_partitioner_fn``; the test backend
 ``fczero.testing.backends.aot_eager_with_passes`` uses it directly.
 """
@@ -33,8 +34,8 @@ def partition(gm: fx.GraphModule, joint_inputs, *, base=None, **kwargs):
     base = base or min_cut_rematerialization_partition
     fw, bw = base(gm, joint_inputs, **kwargs)
     settings = registry.settings_for_graph(fw.graph)
-    if settings is None or settings.activation_offload == "off":
-        return fw, bw
+    if settings is None:
+        return fw, bw  # not a graph of fczero's
     plan = offload_activations(
         fw,
         bw,
@@ -79,9 +80,15 @@ if CustomPartitionerFn is not None:
             ).digest()
 
 
-def install() -> None:
-    """Set Inductor's partitioner hook to fczero's (keeping the user's as its base), once."""
+def install(required: bool) -> None:
+    """Set Inductor's partitioner hook to fczero's (keeping the user's as its base), once.
+
+    Without activation offload the hook changes no graph (it records planned peaks for
+    ``memory_report``); where this torch lacks the hook it is then skipped quietly,
+    while ``required`` (offload asked for) makes that an error."""
     if CustomPartitionerFn is None or not hasattr(inductor_config, "custom_partitioner_fn"):
+        if not required:
+            return
         raise RuntimeError(
             "fczero: activation_offload needs torch._inductor.config.custom_partitioner_fn "
             f"(torch 2.11 or newer); this torch is {__import__('torch').__version__}. "
