@@ -16,6 +16,12 @@ with ``AdamW(lr, betas=(0.9, 0.95), weight_decay=0)`` (``fused=True`` on CUDA):
 | fczero-compiled | same | same, then ``torch.compile`` of the whole model |
 | deepspeed-zero3 | DeepSpeed bf16 | ZeRO-3, ``overlap_comm`` |
 | deepspeed-deepcompile | DeepSpeed bf16 | ZeRO-3 + DeepCompile (``engine.compile()``) |
+| fsdp2-cpuoffload | bf16 params, fp32 reduce | FSDP2 eager with ``CPUOffloadPolicy`` |
+| fczero-memory-eager | same | fczero eager, optimizer states offloaded |
+| fczero-memory | same | fczero compiled, activation offload ``auto``, states offloaded |
+
+The last three (group ``memory``, not in ``all``) are for ``bench.capacity``: they
+build the model in host memory (so building does not need the whole model on one GPU).
 
 DeepSpeed is imported inside its builders only: it is a benchmark-only dependency.
 """
@@ -96,10 +102,10 @@ class LossModule(nn.Module):
             return self.model.loss(tokens)
 
 
-def build_model(ctx: ArmContext) -> Llama:
-    """The same initial weights on every rank and in every arm."""
+def build_model(ctx: ArmContext, device: torch.device | None = None) -> Llama:
+    """The same initial weights on every rank and in every arm (on ``device``, default the arm's)."""
     torch.manual_seed(ctx.seed)
-    with torch.device(ctx.device):
+    with torch.device(device or ctx.device):
         return Llama(ctx.cfg)
 
 
@@ -193,6 +199,41 @@ def build_fczero_compiled_no_passes(ctx: ArmContext) -> Arm:
 def build_fczero_compiled_two_blocks(ctx: ArmContext) -> Arm:
     """256 MiB buckets (two benchmark blocks each), against the default 128 MiB (one block)."""
     return _fczero(ctx, compiled=True, bucket_bytes=256 * 2**20)
+
+
+def build_fsdp2_cpuoffload(ctx: ArmContext) -> Arm:
+    """FSDP2 keeping sharded params, grads and AdamW state in pinned host memory (step on CPU)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    model = build_model(ctx, torch.device("cpu"))
+    root = LossModule(model)
+    mp = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=True)
+    for block in model.layers:
+        fully_shard(block, mesh=ctx.mesh, mp_policy=mp, offload_policy=offload)
+    fully_shard(root, mesh=ctx.mesh, mp_policy=mp, offload_policy=offload)
+    opt = torch.optim.AdamW(root.parameters(), lr=ctx.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    return Arm(step=train_step(root, opt), keep=[root, opt])
+
+
+def _fczero_memory(ctx: ArmContext, *, compiled: bool) -> Arm:
+    import fczero
+
+    root = LossModule(build_model(ctx, torch.device("cpu")))
+    options: dict[str, object] = {"activation_offload": "auto"} if compiled else {}
+    fczero.parallelize(root, ctx.mesh, param_dtype=BF16, reduce_dtype=torch.float32, **options)
+    opt = adamw(root.parameters(), ctx)
+    handle = fczero.offload_optimizer_states(opt)
+    module = torch.compile(root, backend=ctx.compile_backend) if compiled else root
+    return Arm(step=train_step(module, opt), keep=[root, module, opt, handle])
+
+
+def build_fczero_memory_eager(ctx: ArmContext) -> Arm:
+    return _fczero_memory(ctx, compiled=False)
+
+
+def build_fczero_memory(ctx: ArmContext) -> Arm:
+    return _fczero_memory(ctx, compiled=True)
 
 
 def deepspeed_config(batch: int, *, deepcompile: bool) -> dict[str, object]:
@@ -300,13 +341,32 @@ ARMS: dict[str, ArmSpec] = {
             build=build_deepspeed_deepcompile,
             min_warmup=8,
         ),
+        ArmSpec(
+            name="fsdp2-cpuoffload",
+            label="FSDP2 eager, CPUOffloadPolicy",
+            build=build_fsdp2_cpuoffload,
+        ),
+        ArmSpec(
+            name="fczero-memory-eager",
+            label="fczero eager, optimizer states offloaded",
+            build=build_fczero_memory_eager,
+        ),
+        ArmSpec(
+            name="fczero-memory",
+            label="fczero compiled, activation + optimizer offload",
+            build=build_fczero_memory,
+        ),
     )
 }
 """Every arm, in the order they run: the floor first (ratios), FSDP2 eager next (loss reference)."""
 
+MEMORY_ARMS = ["fsdp2-cpuoffload", "fczero-memory-eager", "fczero-memory"]
+"""Capacity arms (bench.capacity): left out of ``all``."""
+
 GROUPS: dict[str, list[str]] = {
-    "all": list(ARMS),
-    "core": [name for name in ARMS if not name.startswith("deepspeed")],
+    "all": [name for name in ARMS if name not in MEMORY_ARMS],
+    "memory": MEMORY_ARMS,
+    "core": [name for name in ARMS if not name.startswith("deepspeed") and name not in MEMORY_ARMS],
     "deepspeed": [name for name in ARMS if name.startswith("deepspeed")],
     "fczero": ["fczero-eager", "fczero-nopasses", "fczero-compiled", "fczero-256mib"],
     "fsdp2": ["fsdp2-eager", "fsdp2-compiled"],
