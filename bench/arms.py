@@ -18,7 +18,7 @@ with ``AdamW(lr, betas=(0.9, 0.95), weight_decay=0)`` (``fused=True`` on CUDA):
 | deepspeed-deepcompile | DeepSpeed bf16 | ZeRO-3 + DeepCompile (``engine.compile()``) |
 | fsdp2-cpuoffload | bf16 params, fp32 reduce | FSDP2 eager with ``CPUOffloadPolicy`` |
 | fczero-memory-eager | same | fczero eager, optimizer states offloaded |
-| fczero-memory | same | fczero compiled, activation offload ``auto``, states offloaded |
+| fczero-memory | same | fczero compiled, activation offload ``all``, states offloaded |
 
 The last three (group ``memory``, not in ``all``) are for ``bench.capacity``: they
 build the model in host memory (so building does not need the whole model on one GPU).
@@ -220,7 +220,7 @@ def _fczero_memory(ctx: ArmContext, *, compiled: bool) -> Arm:
     import fczero
 
     root = LossModule(build_model(ctx, torch.device("cpu")))
-    options: dict[str, object] = {"activation_offload": "auto"} if compiled else {}
+    options: dict[str, object] = {"activation_offload": "all"} if compiled else {}
     fczero.parallelize(root, ctx.mesh, param_dtype=BF16, reduce_dtype=torch.float32, **options)
     opt = adamw(root.parameters(), ctx)
     handle = fczero.offload_optimizer_states(opt)

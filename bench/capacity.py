@@ -14,7 +14,7 @@ configurations (``bench.arms``, group ``memory`` plus FSDP2's plain arm):
 | fsdp2-eager | none (sharded params, grads, AdamW state on the GPU) |
 | fsdp2-cpuoffload | FSDP2 ``CPUOffloadPolicy``: params, grads, state on the host, step on CPU |
 | fczero-memory-eager | fczero eager, AdamW state in pinned host memory between steps |
-| fczero-memory | fczero compiled, activation offload ``auto`` and AdamW state offload |
+| fczero-memory | fczero compiled, activation offload ``all`` (>= 1 MiB) and AdamW state offload |
 
 Writes ``capacity.jsonl`` (one line per arm and size) and ``capacity.md`` (the table:
 per size ms/step and peak GiB, or what failed; then the largest size that trained).

@@ -30,7 +30,7 @@ from fczero.testing.distributed import run_on_ranks
 from tests.models import ThreeBlocks
 from tests.test_graphs import SNAPSHOT_TORCH
 
-MEMORY_OPS = {"offload", "reload", "reload_wait", "all_gather_into_tensor", "mm"}
+MEMORY_OPS = {"offload", "offload_wait", "reload", "reload_wait", "all_gather_into_tensor", "mm"}
 
 
 def sequence(gm: torch.fx.GraphModule) -> str:
@@ -87,8 +87,11 @@ class GraphTest(expecttest.TestCase):
 all_gather_into_tensor_default = all_gather_into_tensor(cat_default)
 offload_default = offload(relu)
 offload_default_1 = offload(relu_1)
+offload_wait_default = offload_wait(offload_default, relu)
 offload_default_2 = offload(relu_2)
-mm = mm(relu_2, t_3)""",
+offload_wait_default_1 = offload_wait(offload_default_1, relu_1)
+mm = mm(relu_2, t_3)
+offload_wait_default_2 = offload_wait(offload_default_2, relu_2)""",
         )
 
         self.assertExpectedInline(

@@ -18,7 +18,7 @@ from fczero.offload import ops, streams
 
 OPS = {
     "offload": lambda: (torch.randn(3, 5, requires_grad=True),),
-    "offload_wait": lambda: (torch.randn(7),),
+    "offload_wait": lambda: (torch.randn(7), torch.randn(7)),
     "reload": lambda: (torch.randn(2, 3, requires_grad=True), torch.device("cpu")),
     "reload_wait": lambda: (torch.randn(4, 2),),
 }
@@ -40,7 +40,7 @@ def test_schemas_declare_fresh_outputs_and_mutating_waits():
 
 def _roundtrip(x: torch.Tensor) -> torch.Tensor:
     host = ops.offload(x)
-    ops.offload_wait(host)
+    ops.offload_wait(host, x)
     back = ops.reload(host, x.device)
     ops.reload_wait(back)
     return back
@@ -64,7 +64,7 @@ def test_gradients_flow_through_offload_and_reload():
 def _through_graph(x: torch.Tensor) -> torch.Tensor:
     y = x * 3
     host = torch.ops.fczero.offload(y)
-    torch.ops.fczero.offload_wait(host)
+    torch.ops.fczero.offload_wait(host, y)
     back = torch.ops.fczero.reload(host, x.device)
     torch.ops.fczero.reload_wait(back)
     return back.neg()
@@ -121,6 +121,7 @@ def test_cuda_roundtrip_overlaps_on_the_side_stream():
     back = ops.reload(host, x.device)
     ops.reload_wait(back)
     assert torch.equal(back, x)
-    ops.offload_wait(host)
+    ops.offload_wait(host, x)
+    torch.cuda.current_stream().synchronize()
     assert torch.equal(host, x.cpu())
     assert streams.pending_count() == 0

@@ -5,11 +5,16 @@ which forward outputs are saved for backward: those past ``num_fwd_outputs``, ea
 read in backward through a placeholder of the same name). For each chosen activation
 ``a``::
 
-    forward:   a = ...;  h = fczero.offload(a)  ...  return (..., h, ...)   # was a
+    forward:   a = ...;  h = fczero.offload(a) ... use(a) ... fczero.offload_wait(h, a)
+               ... return (..., h, ...)                                     # was a
     backward:  d = fczero.reload(h, device)  ...  fczero.reload_wait(d);  use(d)
 
 The offload is issued right after ``a`` is computed; ``a``'s device memory is then
-free after its last forward use instead of being held until backward. In backward
+free after its last forward use (or the next offload, see below) instead of being
+held until backward. The forward wait takes ``a`` so that ``a`` cannot be freed, nor
+its memory reused by Inductor, while the copy still reads it; it sits after ``a``'s
+last use and, where the budget allows, after the next offload, so the copy overlaps
+with the compute in between. In backward
 each wait sits just before the first use, and each reload is issued one reloaded
 activation ahead (before the first use of the previous one) when the memory model
 says the budget allows it, so the copy runs while the previous one is consumed.
@@ -52,6 +57,7 @@ class ActivationPlan:
     forward_peak: int = 0
     backward_peak: int = 0
     hoisted: int = 0
+    delayed: int = 0
     # device bytes alive at each node, forward then backward, before and after the rewrite
     curve_before: tuple[list[int], list[int]] = ([], [])
     curve_after: tuple[list[int], list[int]] = ([], [])
@@ -139,7 +145,33 @@ def _offload_one(fw: fx.Graph, bw: fx.Graph, a: fx.Node, p: fx.Node, num_fwd_out
         wait = bw.call_function(torch.ops.fczero.reload_wait.default, (dest,))
         wait.meta["val"] = None
     p.replace_all_uses_with(dest, delete_user_cb=lambda user: user is not dest)
+    # ``a`` must outlive the copy that reads it: a wait that takes it, after its last use
+    pos = position(fw)
+    users = [u for u in a.users if u is not host and u.op != "output"]
+    with fw.inserting_after(max([*users, host], key=pos.__getitem__)):
+        keep = fw.call_function(torch.ops.fczero.offload_wait.default, (host, a))
+        keep.meta["val"] = None
     return dest
+
+
+def _delay_offload_waits(fw: fx.Graph, budget: int | None) -> int:
+    """Move each offload's wait after the next offload, so the copy has a layer's compute
+    to hide behind, where the budget allows (the source lives that much longer)."""
+    wait_op = torch.ops.fczero.offload_wait.default
+    offloads = [n for n in fw.nodes if n.target is torch.ops.fczero.offload.default]
+    delayed = 0
+    for cur, nxt in zip(offloads, offloads[1:]):
+        wait = next(u for u in cur.users if u.target is wait_op)
+        pos = position(fw)
+        if pos[wait] > pos[nxt]:
+            continue
+        before = wait.prev
+        nxt.append(wait)
+        if budget is not None and planned_peak(fw) > budget:
+            before.append(wait)
+            continue
+        delayed += 1
+    return delayed
 
 
 def _hoist_reloads(bw: fx.Graph, reloads: list[fx.Node], budget: int | None) -> int:
@@ -208,6 +240,7 @@ def offload_activations(
         )
     if reloads:
         plan.hoisted = _hoist_reloads(bw, reloads, budget)
+        plan.delayed = _delay_offload_waits(fw, budget)
     fw.lint()
     bw.lint()
     fw_gm.recompile()

@@ -4,7 +4,7 @@ Schemas (``torch.library.custom_op``, so they run eagerly, trace into graphs, an
 fake kernels for shape propagation)::
 
     offload(Tensor src) -> Tensor                 # a new host tensor; the copy may still run
-    offload_wait(Tensor(a!) host) -> ()           # host's contents are final from here on
+    offload_wait(Tensor(a!) host, Tensor src) -> () # host's contents are final; src may go
     reload(Tensor host, Device device) -> Tensor  # a new device tensor; the copy may still run
     reload_wait(Tensor(a!) dest) -> ()            # dest's contents are final from here on
 
@@ -14,11 +14,15 @@ there), it keeps every reader of the tensor after the wait in Inductor's schedul
 of a mutated buffer follow the mutation), it makes the wait depend on the copy's output
 by data, and a mutating op is never dead code to FX or Inductor.
 
-On CUDA the copies run on a side stream (``streams.py``); ``offload_wait`` blocks the
-host until the copy is done (it is for host readers), ``reload_wait`` makes only the
-current stream wait, so the host keeps issuing work. A reload from a host tensor whose
-offload is still in flight waits for it on the side stream, so no ``offload_wait`` is
-needed between the two. On the CPU both copies are plain synchronous copies and the
+On CUDA the copies run on a side stream (``streams.py``); both waits make only the
+current stream wait (the host keeps issuing work). ``offload_wait`` also takes the
+source: Inductor reuses a buffer's memory for a later kernel as soon as the graph is
+done with it, without the allocator (so ``record_stream`` cannot help), and the copy
+may still be reading it; with the source as an input the buffer lives until the wait,
+after which every later kernel is ordered behind the copy. To read ``host`` on the CPU,
+synchronize the stream after ``offload_wait``. A reload from a host tensor whose
+offload is still in flight waits for it on the side stream, so the pair offload ->
+reload needs no ``offload_wait`` for the host data's sake. On the CPU both copies are plain synchronous copies and the
 waits do nothing. Under CUDA graphs the pending-copy table is not replayed: keep
 these ops out of graphs that are captured.
 """
@@ -64,15 +68,17 @@ offload.register_autograd(_offload_backward, setup_context=_offload_setup)
 
 
 @torch.library.custom_op("fczero::offload_wait", mutates_args=("host",))
-def offload_wait(host: torch.Tensor) -> None:
-    """Block the host until the offload copy into ``host`` is done (no-op if none is pending)."""
+def offload_wait(host: torch.Tensor, src: torch.Tensor) -> None:
+    """Make the current stream wait for the offload of ``src`` into ``host`` (the host does
+    not wait). ``src`` is an input so that a compiler keeps it alive, and does not reuse
+    its memory, until here."""
     event = streams.take(host)
     if event is not None:
-        event.synchronize()
+        torch.cuda.current_stream(src.device).wait_event(event)
 
 
 @offload_wait.register_fake
-def _(host: torch.Tensor) -> None:
+def _(host: torch.Tensor, src: torch.Tensor) -> None:
     return None
 
 

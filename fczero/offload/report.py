@@ -52,7 +52,7 @@ class MemoryReport:
                 f"graph pair {i}: activation_offload={plan.mode!r}, budget {budget}, "
                 f"planned peak {_mib(plan.peak_before)} -> {_mib(plan.peak_after)} "
                 f"(forward {_mib(plan.forward_peak)}, backward {_mib(plan.backward_peak)}), "
-                f"{plan.hoisted} reloads issued ahead"
+                f"{plan.hoisted} reloads issued ahead, {plan.delayed} offload waits delayed"
             )
             for name, size in plan.offloaded:
                 lines.append(f"  offloaded {name:<24} {_mib(size):>12}")
