@@ -224,6 +224,7 @@ def _install_passes(mesh: DeviceMesh, options: ShardingOptions) -> None:
         offload_min_bytes=options.offload_min_bytes,
     )
     install()
+    offload_partition.forget(mesh.get_group().group_name)
     offload_partition.install(required=options.activation_offload != "off")
 
 

@@ -24,6 +24,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import fczero
 from fczero.memory import op_name
 from fczero.offload.activations import offload_activations, planned_peak
+from fczero.offload import streams
 from fczero.offload.partition import recorded_plans
 from fczero.testing import backends
 from fczero.testing.distributed import run_on_ranks
@@ -55,6 +56,8 @@ class GraphTest(expecttest.TestCase):
         torch._dynamo.reset()
 
     def compile(self, **options) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+        torch._dynamo.reset()  # a second model must compile afresh (not reuse the first's code)
+        backends.recorded.clear()
         torch.manual_seed(0)
         model = fczero.parallelize(ThreeBlocks(64), init_device_mesh("cpu", (2,)), **options)
         self.model = model
@@ -130,6 +133,14 @@ mm_7 = mm(t_16, primals_5)""",
                 assert f.read(8) == b"\x89PNG\r\n\x1a\n"
         with pytest.raises(ValueError, match="call fczero.parallelize"):
             fczero.memory_report(nn.Linear(2, 2))
+
+    def test_a_new_model_starts_a_new_report_and_cpu_says_nothing_is_saved(self):
+        self.compile()
+        streams._warned.discard("activations-cpu")
+        with self.assertWarnsRegex(RuntimeWarning, "no memory is saved"):
+            self.compile(activation_offload="all", offload_min_bytes=0)
+        (plan,) = fczero.memory_report(self.model).plans
+        assert plan.mode == "all" and plan.device_type == "cpu"
 
     @pytest.mark.slow
     def test_inductor_compiles_the_offload(self):

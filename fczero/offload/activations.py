@@ -50,6 +50,7 @@ class ActivationPlan:
     mode: str
     budget: int | None
     min_bytes: int
+    device_type: str = "cpu"
     offloaded: list[tuple[str, int]] = field(default_factory=list)
     kept: list[tuple[str, int, str]] = field(default_factory=list)  # name, bytes, why
     peak_before: int = 0
@@ -204,7 +205,7 @@ def offload_activations(
     if mode not in MODES:
         raise ValueError(f"fczero: activation_offload={mode!r}; use one of {MODES}.")
     fw, bw = fw_gm.graph, bw_gm.graph
-    plan = ActivationPlan(mode, budget, min_bytes)
+    plan = ActivationPlan(mode, budget, min_bytes, _device_type(fw))
     plan.curve_before = _curves(fw, bw)
     plan.forward_peak = max(plan.curve_before[0], default=0)
     plan.backward_peak = max(plan.curve_before[1], default=0)

@@ -21,12 +21,19 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor import config as inductor_config
 
 from fczero.offload.activations import ActivationPlan, offload_activations
+from fczero.offload import streams
 from fczero.passes import registry
 
 logger = logging.getLogger("fczero")
 
 # group name -> plans of the forward/backward pairs compiled for it, oldest first
 recorded_plans: dict[str, list[ActivationPlan]] = defaultdict(list)
+
+
+def forget(group_name: str) -> None:
+    """Drop the plans recorded for a group (``parallelize`` calls it: a new model's report
+    starts empty)."""
+    recorded_plans.pop(group_name, None)
 
 
 def partition(gm: fx.GraphModule, joint_inputs, *, base=None, **kwargs):
@@ -46,6 +53,12 @@ def partition(gm: fx.GraphModule, joint_inputs, *, base=None, **kwargs):
     )
     for group in sorted(settings.groups):
         recorded_plans[group].append(plan)
+    if plan.offloaded and plan.device_type == "cpu":
+        streams.warn_once(
+            "activations-cpu",
+            "fczero: activation_offload on a CPU graph: activations are copied between host "
+            "buffers (the graph runs as with offload) and no memory is saved.",
+        )
     return fw, bw
 
 
