@@ -101,6 +101,27 @@ def test_state_dict_round_trip_and_remove():
     fczero.offload_optimizer_states(opt)  # allowed again once removed
 
 
+def test_loading_a_state_dict_plans_again():
+    torch.manual_seed(0)
+    ref = UnevenTiedMLP()
+    off = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    off_opt = torch.optim.AdamW(off.parameters(), lr=1e-2)
+    handle = fczero.offload_optimizer_states(off_opt)
+    _train(ref, ref_opt, 2)
+    _train(off, off_opt, 2)
+    off_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+    assert handle.slots is None
+    _train(ref, ref_opt, 2)
+    _train(off, off_opt, 2)
+    hosts = {s.host.data_ptr() for s in handle.slots}
+    for p_ref, p_off in zip(ref.parameters(), off.parameters()):
+        assert torch.equal(p_ref, p_off)
+        for key, value in off_opt.state[p_off].items():
+            assert torch.equal(value, ref_opt.state[p_ref][key])
+            assert value.dim() == 0 or value.data_ptr() in hosts
+
+
 def test_bad_inputs_are_clear_errors():
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):

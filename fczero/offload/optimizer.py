@@ -65,6 +65,7 @@ class OptimizerOffload:
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._after_step),
             optimizer.register_state_dict_pre_hook(lambda opt: self.wait()),
+            optimizer.register_load_state_dict_post_hook(self._after_load),
         ]
 
     # -- planning --------------------------------------------------------------------
@@ -155,6 +156,12 @@ class OptimizerOffload:
         if self.slots is None:
             self.slots = self._plan()
         self._offload()
+
+    def _after_load(self, optimizer) -> None:
+        """Loaded states are new tensors on the params' devices: plan again after the next step."""
+        self.wait()
+        self.slots = None
+        self._on_device = False
 
     def remove(self) -> None:
         """Bring every state back to its device for good and take the hooks off."""
