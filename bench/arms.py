@@ -17,7 +17,7 @@ with ``AdamW(lr, betas=(0.9, 0.95), weight_decay=0)`` (``fused=True`` on CUDA):
 | deepspeed-zero3 | DeepSpeed bf16 | ZeRO-3, ``overlap_comm`` |
 | deepspeed-deepcompile | DeepSpeed bf16 | ZeRO-3 + DeepCompile (``engine.compile()``) |
 | fsdp2-cpuoffload | bf16 params, fp32 reduce | FSDP2 eager with ``CPUOffloadPolicy`` |
-| fczero-memory-eager | same | fczero eager, optimizer states offloaded |
+| fczero-memory-eager | same | fczero eager, optimizer states offloaded, step in 512 MiB chunks |
 | fczero-memory | same | fczero compiled, activation offload ``all``, states offloaded |
 
 The last three (group ``memory``, not in ``all``) are for ``bench.capacity``: they
@@ -223,7 +223,10 @@ def _fczero_memory(ctx: ArmContext, *, compiled: bool) -> Arm:
     options: dict[str, object] = {"activation_offload": "all"} if compiled else {}
     fczero.parallelize(root, ctx.mesh, param_dtype=BF16, reduce_dtype=torch.float32, **options)
     opt = adamw(root.parameters(), ctx)
-    handle = fczero.offload_optimizer_states(opt)
+    # eager: the step in 512 MiB chunks of params (no step holds every state on the GPU);
+    # compiled: one whole step (the configuration measured on 2 x H200, docs/memory.md)
+    chunk = None if compiled else 512 * 2**20
+    handle = fczero.offload_optimizer_states(opt, chunk_bytes=chunk)
     module = torch.compile(root, backend=ctx.compile_backend) if compiled else root
     return Arm(step=train_step(module, opt), keep=[root, module, opt, handle])
 

@@ -13,7 +13,7 @@ configurations (``bench.arms``, group ``memory`` plus FSDP2's plain arm):
 | --- | --- |
 | fsdp2-eager | none (sharded params, grads, AdamW state on the GPU) |
 | fsdp2-cpuoffload | FSDP2 ``CPUOffloadPolicy``: params, grads, state on the host, step on CPU |
-| fczero-memory-eager | fczero eager, AdamW state in pinned host memory between steps |
+| fczero-memory-eager | fczero eager, AdamW state in pinned host memory, step in 512 MiB chunks |
 | fczero-memory | fczero compiled, activation offload ``all`` (>= 1 MiB) and AdamW state offload |
 
 Writes ``capacity.jsonl`` (one line per arm and size) and ``capacity.md`` (the table:

@@ -70,6 +70,48 @@ def test_training_is_bitwise_equal_and_states_live_in_host_buffers(make_opt):
     assert len(handle.slots) == len(handle.summary.offloaded) > 0
 
 
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
+        lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    ],
+    ids=["adamw-foreach", "adamw-loop", "sgd-momentum"],
+)
+def test_chunked_step_is_bitwise_equal(make_opt):
+    torch.manual_seed(0)
+    ref = UnevenTiedMLP()
+    off = copy.deepcopy(ref)
+    ref_opt = make_opt(ref.parameters())
+    groups = [
+        {"params": list(off.parameters())[:3]},
+        {"params": list(off.parameters())[3:], "lr": 5e-3},
+    ]
+    off_opt = make_opt(groups)
+    ref_opt = make_opt(
+        [{"params": list(ref.parameters())[:3]}, {"params": list(ref.parameters())[3:], "lr": 5e-3}]
+    )
+    handle = fczero.offload_optimizer_states(off_opt, chunk_bytes=300)
+
+    def between() -> None:
+        hosts = {s.host.data_ptr() for s in handle.slots}
+        states = [v for st in off_opt.state.values() for v in st.values() if v.dim() > 0]
+        assert states and all(v.data_ptr() in hosts for v in states)
+
+    _train(ref, ref_opt, 3)
+    _train(off, off_opt, 3, between=between)
+    assert handle.summary.chunks >= 3
+    for a, b in zip(ref.parameters(), off.parameters()):
+        assert torch.equal(a, b)
+    for p_ref, p_off in zip(ref.parameters(), off.parameters()):
+        assert set(ref_opt.state[p_ref]) == set(off_opt.state[p_off])
+        for key, value in ref_opt.state[p_ref].items():
+            assert torch.equal(value, off_opt.state[p_off][key]), key
+    handle.remove()
+    assert "step" not in off_opt.__dict__  # the chunked step is taken off again
+
+
 def test_device_bytes_keeps_the_first_states():
     torch.manual_seed(0)
     model = UnevenTiedMLP()
@@ -128,6 +170,8 @@ def test_bad_inputs_are_clear_errors():
         fczero.offload_optimizer_states(object())
     with pytest.raises(ValueError, match="device_bytes must be an int >= 0"):
         fczero.offload_optimizer_states(opt, device_bytes=-1)
+    with pytest.raises(ValueError, match="chunk_bytes must be None"):
+        fczero.offload_optimizer_states(opt, chunk_bytes=0)
     with pytest.raises(TypeError, match="pin_memory"):
         fczero.offload_optimizer_states(opt, pin_memory="yes")
     fczero.offload_optimizer_states(opt)
@@ -168,12 +212,13 @@ def _sharded_run(rank: int, world_size: int) -> bool:
     from torch.distributed.device_mesh import init_device_mesh
 
     results = []
-    for offload in (False, True):
+    for offload in (False, True, "chunked"):
         torch.manual_seed(0)
         model = fczero.parallelize(UnevenTiedMLP(), init_device_mesh("cpu", (world_size,)))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         if offload:
-            handle = fczero.offload_optimizer_states(opt)
+            chunk = 200 if offload == "chunked" else None
+            handle = fczero.offload_optimizer_states(opt, chunk_bytes=chunk)
         _train(model, opt, 3)
         if offload:
             assert handle.slots and all(
@@ -184,7 +229,11 @@ def _sharded_run(rank: int, world_size: int) -> bool:
             [_local(p).clone() for p in model.parameters()]
             + [_local(v).clone() for st in opt.state.values() for v in st.values()]
         )
-    return all(torch.equal(a, b) for a, b in zip(*results))
+    plain = results[0]
+    return all(
+        len(other) == len(plain) and all(torch.equal(a, b) for a, b in zip(plain, other))
+        for other in results[1:]
+    )
 
 
 def test_sharded_dtensor_states_are_bitwise_equal_on_two_ranks():
