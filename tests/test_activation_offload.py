@@ -23,8 +23,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fczero
 from fczero.memory import op_name
-from fczero.offload.activations import offload_activations, planned_peak
 from fczero.offload import streams
+from fczero.offload.activations import offload_activations, planned_peak
 from fczero.offload.partition import recorded_plans
 from fczero.testing import backends
 from fczero.testing.distributed import run_on_ranks
@@ -232,7 +232,9 @@ def _pair():
     params = [p.detach().requires_grad_() for p in model.parameters()]
 
     def fn(x, *ps):
-        return torch.func.functional_call(model, dict(zip(dict(model.named_parameters()), ps)), (x,))
+        return torch.func.functional_call(
+            model, dict(zip(dict(model.named_parameters()), ps)), (x,)
+        )
 
     def boxed(gm, _):
         return make_boxed_func(gm.forward)

@@ -9,8 +9,6 @@ but not zero.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
@@ -89,7 +87,9 @@ def _activation_run(rank: int, world_size: int) -> dict:
         gen = torch.Generator(device="cuda").manual_seed(2)
         torch.cuda.reset_peak_memory_stats()
         for _ in range(2):
-            compiled(torch.randn(4096, 1024, device="cuda", generator=gen)).square().mean().backward()
+            compiled(
+                torch.randn(4096, 1024, device="cuda", generator=gen)
+            ).square().mean().backward()
         torch.cuda.synchronize()
         out[mode] = {
             "grads": [p.grad._local_tensor.cpu() for p in model.parameters()],

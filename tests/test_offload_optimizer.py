@@ -16,7 +16,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import fczero
-from fczero.offload import optimizer as opt_offload
 from fczero.offload import streams
 from fczero.testing.distributed import run_on_ranks
 from tests.models import UnevenTiedMLP
@@ -55,9 +54,7 @@ def test_training_is_bitwise_equal_and_states_live_in_host_buffers(make_opt):
 
     def states_are_in_host_buffers() -> None:
         hosts = {s.host.data_ptr() for s in handle.slots}
-        tensors = [
-            v for st in off_opt.state.values() for v in st.values() if v.dim() > 0
-        ]
+        tensors = [v for st in off_opt.state.values() for v in st.values() if v.dim() > 0]
         assert tensors and all(v.data_ptr() in hosts for v in tensors)
 
     _train(ref, ref_opt, 4)
@@ -202,8 +199,7 @@ def test_pinning_failure_falls_back_to_pageable_with_one_warning(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", no_pinning)
     with pytest.warns(RuntimeWarning, match="pageable memory") as record:
-        a = streams.host_buffer(torch.zeros(3, 2))
-        b = streams.host_buffer(torch.zeros(4))
+        a, b = streams.host_buffer(torch.zeros(3, 2)), streams.host_buffer(torch.zeros(4))
     assert a.shape == (3, 2) and b.shape == (4,) and not a.is_pinned()
     assert len([w for w in record if "pageable" in str(w.message)]) == 1
 
@@ -222,7 +218,9 @@ def _sharded_run(rank: int, world_size: int) -> bool:
         _train(model, opt, 3)
         if offload:
             assert handle.slots and all(
-                isinstance(v, DTensor) for st in opt.state.values() for v in st.values()
+                isinstance(v, DTensor)
+                for st in opt.state.values()
+                for v in st.values()
                 if v.dim() > 0
             )
         results.append(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 import torch.fx as fx
@@ -100,7 +101,11 @@ def _host_nodes(graph: fx.Graph) -> set[fx.Node]:
             out.add(n)
         elif n.meta.get("fczero_host"):
             out.add(n)
-        elif isinstance(val, torch.Tensor) and val.device.type == "cpu" and _device_type(graph) != "cpu":
+        elif (
+            isinstance(val, torch.Tensor)
+            and val.device.type == "cpu"
+            and _device_type(graph) != "cpu"
+        ):
             out.add(n)
     return out
 
@@ -127,7 +132,9 @@ def _first_user(node: fx.Node) -> fx.Node:
     return min(node.users, key=pos.__getitem__)
 
 
-def _offload_one(fw: fx.Graph, bw: fx.Graph, a: fx.Node, p: fx.Node, num_fwd_outputs: int) -> fx.Node:
+def _offload_one(
+    fw: fx.Graph, bw: fx.Graph, a: fx.Node, p: fx.Node, num_fwd_outputs: int
+) -> fx.Node:
     """Rewrite both graphs so ``a`` crosses to backward through host memory; returns the reload."""
     with fw.inserting_after(a):
         host = insert(fw, fake_mode_of(fw), torch.ops.fczero.offload.default, (a,), like=a)
@@ -161,7 +168,7 @@ def _delay_offload_waits(fw: fx.Graph, budget: int | None) -> int:
     wait_op = torch.ops.fczero.offload_wait.default
     offloads = [n for n in fw.nodes if n.target is torch.ops.fczero.offload.default]
     delayed = 0
-    for cur, nxt in zip(offloads, offloads[1:]):
+    for cur, nxt in pairwise(offloads):
         wait = next(u for u in cur.users if u.target is wait_op)
         pos = position(fw)
         if pos[wait] > pos[nxt]:
@@ -180,7 +187,7 @@ def _hoist_reloads(bw: fx.Graph, reloads: list[fx.Node], budget: int | None) -> 
     pos = position(bw)
     reloads = sorted(reloads, key=pos.__getitem__)
     hoisted = 0
-    for prev, cur in zip(reloads, reloads[1:]):
+    for prev, cur in pairwise(reloads):
         wait_prev = next(u for u in prev.users if u.target is torch.ops.fczero.reload_wait.default)
         anchor = wait_prev  # the previous activation's wait: its first use follows
         before = cur.prev

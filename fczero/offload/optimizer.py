@@ -70,7 +70,11 @@ class OptimizerOffload:
     """The hooks that keep one optimizer's states in host memory; see the module docstring."""
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, device_bytes: int, pin: bool, chunk_bytes: int | None
+        self,
+        optimizer: torch.optim.Optimizer,
+        device_bytes: int,
+        pin: bool,
+        chunk_bytes: int | None,
     ) -> None:
         self.optimizer = optimizer
         self.device_bytes = device_bytes

@@ -20,8 +20,8 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor import config as inductor_config
 
-from fczero.offload.activations import ActivationPlan, offload_activations
 from fczero.offload import streams
+from fczero.offload.activations import ActivationPlan, offload_activations
 from fczero.passes import registry
 
 logger = logging.getLogger("fczero")
