@@ -20,8 +20,8 @@ with ``AdamW(lr, betas=(0.9, 0.95), weight_decay=0)`` (``fused=True`` on CUDA):
 | fczero-memory-eager | same | fczero eager, optimizer states offloaded, step in 512 MiB chunks |
 | fczero-memory | same | fczero compiled, activation offload ``all``, states offloaded |
 
-The last three (group ``memory``, not in ``all``) are for ``bench.capacity``: they
-build the model in host memory (so building does not need the whole model on one GPU).
+The last three (group ``memory``, not in ``all``) are for ``bench.capacity``; the FSDP2
+one builds the model in host memory (its GPU never holds the whole model).
 
 DeepSpeed is imported inside its builders only: it is a benchmark-only dependency.
 """
@@ -219,7 +219,10 @@ def build_fsdp2_cpuoffload(ctx: ArmContext) -> Arm:
 def _fczero_memory(ctx: ArmContext, *, compiled: bool) -> Arm:
     import fczero
 
-    root = LossModule(build_model(ctx, torch.device("cpu")))
+    # Built on the GPU: parallelize swaps one param at a time for its shard, so the build
+    # peaks at the fp32 model (no more than training needs), while a host build would need
+    # the whole model in host memory once per rank next to the offloaded states.
+    root = LossModule(build_model(ctx))
     options: dict[str, object] = {"activation_offload": "all"} if compiled else {}
     fczero.parallelize(root, ctx.mesh, param_dtype=BF16, reduce_dtype=torch.float32, **options)
     opt = adamw(root.parameters(), ctx)
