@@ -16,6 +16,12 @@ with ``AdamW(lr, betas=(0.9, 0.95), weight_decay=0)`` (``fused=True`` on CUDA):
 | fczero-compiled | same | same, then ``torch.compile`` of the whole model |
 | deepspeed-zero3 | DeepSpeed bf16 | ZeRO-3, ``overlap_comm`` |
 | deepspeed-deepcompile | DeepSpeed bf16 | ZeRO-3 + DeepCompile (``engine.compile()``) |
+| fsdp2-cpuoffload | bf16 params, fp32 reduce | FSDP2 eager with ``CPUOffloadPolicy`` |
+| fczero-memory-eager | same | fczero eager, optimizer states offloaded, step in 512 MiB chunks |
+| fczero-memory | same | fczero compiled, activation offload ``all``, states offloaded |
+
+The last three (group ``memory``, not in ``all``) are for ``bench.capacity``; the FSDP2
+one builds the model in host memory (its GPU never holds the whole model).
 
 DeepSpeed is imported inside its builders only: it is a benchmark-only dependency.
 """
@@ -96,10 +102,10 @@ class LossModule(nn.Module):
             return self.model.loss(tokens)
 
 
-def build_model(ctx: ArmContext) -> Llama:
-    """The same initial weights on every rank and in every arm."""
+def build_model(ctx: ArmContext, device: torch.device | None = None) -> Llama:
+    """The same initial weights on every rank and in every arm (on ``device``, default the arm's)."""
     torch.manual_seed(ctx.seed)
-    with torch.device(ctx.device):
+    with torch.device(device or ctx.device):
         return Llama(ctx.cfg)
 
 
@@ -257,6 +263,46 @@ def build_fczero_passes_then_overlap(ctx: ArmContext) -> Arm:
     """fczero's passes, then Inductor's overlap scheduler (it runs after custom post-grad passes)."""
     return _fczero(ctx, compiled=True, inductor_options=_inductor_overlap_options())
 
+def build_fsdp2_cpuoffload(ctx: ArmContext) -> Arm:
+    """FSDP2 keeping sharded params, grads and AdamW state in pinned host memory (step on CPU)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    model = build_model(ctx, torch.device("cpu"))
+    root = LossModule(model)
+    mp = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=True)
+    for block in model.layers:
+        fully_shard(block, mesh=ctx.mesh, mp_policy=mp, offload_policy=offload)
+    fully_shard(root, mesh=ctx.mesh, mp_policy=mp, offload_policy=offload)
+    opt = torch.optim.AdamW(root.parameters(), lr=ctx.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    return Arm(step=train_step(root, opt), keep=[root, opt])
+
+
+def _fczero_memory(ctx: ArmContext, *, compiled: bool) -> Arm:
+    import fczero
+
+    # Built on the GPU: parallelize swaps one param at a time for its shard, so the build
+    # peaks at the fp32 model (no more than training needs), while a host build would need
+    # the whole model in host memory once per rank next to the offloaded states.
+    root = LossModule(build_model(ctx))
+    options: dict[str, object] = {"activation_offload": "all"} if compiled else {}
+    fczero.parallelize(root, ctx.mesh, param_dtype=BF16, reduce_dtype=torch.float32, **options)
+    opt = adamw(root.parameters(), ctx)
+    # eager: the step in 512 MiB chunks of params (no step holds every state on the GPU);
+    # compiled: one whole step (the configuration measured on 2 x H200, docs/memory.md)
+    chunk = None if compiled else 512 * 2**20
+    handle = fczero.offload_optimizer_states(opt, chunk_bytes=chunk)
+    module = torch.compile(root, backend=ctx.compile_backend) if compiled else root
+    return Arm(step=train_step(module, opt), keep=[root, module, opt, handle])
+
+
+def build_fczero_memory_eager(ctx: ArmContext) -> Arm:
+    return _fczero_memory(ctx, compiled=False)
+
+
+def build_fczero_memory(ctx: ArmContext) -> Arm:
+    return _fczero_memory(ctx, compiled=True)
+
 
 def deepspeed_config(batch: int, *, deepcompile: bool) -> dict[str, object]:
     """ZeRO-3, bf16, overlapped communication; DeepCompile on top when asked."""
@@ -388,15 +434,38 @@ ARMS: dict[str, ArmSpec] = {
             build=build_deepspeed_deepcompile,
             min_warmup=8,
         ),
+        ArmSpec(
+            name="fsdp2-cpuoffload",
+            label="FSDP2 eager, CPUOffloadPolicy",
+            build=build_fsdp2_cpuoffload,
+        ),
+        ArmSpec(
+            name="fczero-memory-eager",
+            label="fczero eager, optimizer states offloaded",
+            build=build_fczero_memory_eager,
+        ),
+        ArmSpec(
+            name="fczero-memory",
+            label="fczero compiled, activation + optimizer offload",
+            build=build_fczero_memory,
+        ),
     )
 }
 """Every arm, in the order they run: the floor first (ratios), FSDP2 eager next (loss reference)."""
 
 _OVERLAP_ARMS = ["fczero-inductor-overlap", "fczero-passes+overlap", "fczero-symm-mem"]
 
+MEMORY_ARMS = ["fsdp2-cpuoffload", "fczero-memory-eager", "fczero-memory"]
+"""Capacity arms (bench.capacity): left out of ``all``."""
+
 GROUPS: dict[str, list[str]] = {
-    "all": list(ARMS),
-    "core": [n for n in ARMS if not n.startswith("deepspeed") and n not in _OVERLAP_ARMS],
+    "all": [name for name in ARMS if name not in MEMORY_ARMS],
+    "memory": MEMORY_ARMS,
+    "core": [
+        n
+        for n in ARMS
+        if not n.startswith("deepspeed") and n not in _OVERLAP_ARMS and n not in MEMORY_ARMS
+    ],
     "deepspeed": [name for name in ARMS if name.startswith("deepspeed")],
     "fczero": ["fczero-eager", "fczero-nopasses", "fczero-compiled", "fczero-256mib"],
     "unshard": ["fczero-unshard-512mib", "fczero-keep-all"],

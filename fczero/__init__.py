@@ -11,15 +11,20 @@ from fczero.api import is_parallelized, parallelize
 from fczero.config import ShardingOptions
 from fczero.consistency import CollectiveMismatchError
 from fczero.grads import check_finite_grads
+from fczero.offload.optimizer import offload_optimizer_states
+from fczero.offload.report import MemoryReport, memory_report
 from fczero.stages import refresh_params
 
 __all__ = [
     "CollectiveMismatchError",
+    "MemoryReport",
     "ShardingOptions",
     "check_finite_grads",
     "checkpoint",
     "is_parallelized",
+    "memory_report",
     "no_sync",
+    "offload_optimizer_states",
     "parallelize",
     "refresh_params",
     "set_requires_gradient_sync",

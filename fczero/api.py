@@ -18,6 +18,7 @@ from fczero import consistency, guards, resharding, stages, unsharding
 from fczero import prefetch as eager_prefetch
 from fczero.config import ShardingOptions
 from fczero.meshes import MeshLayout, resolve_mesh
+from fczero.offload import partition as offload_partition
 from fczero.passes import registry
 from fczero.passes.install import install
 from fczero.sharding import (
@@ -246,8 +247,12 @@ def _install_passes(
         prefetch=options.prefetch,
         memory_budget=budget,
         replicate_group=replicate.get_group().group_name if replicate is not None else None,
+        activation_offload=options.activation_offload,
+        offload_min_bytes=options.offload_min_bytes,
     )
     install()
+    offload_partition.forget(mesh.get_group().group_name)
+    offload_partition.install(required=options.activation_offload != "off")
 
 
 def _root_pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

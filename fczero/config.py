@@ -83,6 +83,16 @@ class ShardingOptions:
     """With ``check_collectives``: seconds a rank waits for the others at a check before
     it raises (ranks compile at different speeds: leave room for the slowest compile)."""
 
+    activation_offload: str = "off"
+    """Saved-for-backward activations in host memory between forward and backward, for
+    compiled graphs (docs/memory.md). ``"off"``; ``"all"``: every computed, contiguous
+    activation of at least ``offload_min_bytes``; ``"auto"``: the largest first, until
+    the planned peak is within ``memory_budget`` (nothing without a budget)."""
+
+    offload_min_bytes: int = 1 << 20
+    """Smallest activation ``activation_offload`` moves; smaller copies cost more than
+    they save."""
+
     def __post_init__(self) -> None:
         if (
             not isinstance(self.stage, int)
@@ -112,7 +122,14 @@ class ShardingOptions:
                 "fczero: reshard_after_forward must be True (stage 3: free after forward) or "
                 f"False (keep for backward), got {self.reshard_after_forward!r}."
             )
-        for name in ("bucket_bytes", "prefetch", "memory_budget", "unsharded_budget"):
+        if self.activation_offload not in ("off", "auto", "all"):
+            raise ValueError(
+                f"fczero: activation_offload={self.activation_offload!r}; use 'off', 'auto' "
+                "(within memory_budget) or 'all'."
+            )
+        for name in (
+            "bucket_bytes", "prefetch", "memory_budget", "unsharded_budget", "offload_min_bytes"
+        ):
             value = getattr(self, name)
             if value is None and name == "memory_budget":
                 continue

@@ -16,7 +16,7 @@ if str(REPO) not in sys.path:  # bench/ is a folder of the repo, not an installe
     sys.path.insert(0, str(REPO))
 
 from bench import report
-from bench.arms import ARMS, deepspeed_config, fix_cuda_arch_list, select_arms
+from bench.arms import ARMS, MEMORY_ARMS, deepspeed_config, fix_cuda_arch_list, select_arms
 from bench.profile import exposed_comm, merge, overlap
 
 
@@ -148,7 +148,8 @@ def test_exposed_comm_from_trace_events() -> None:
 
 def test_select_arms() -> None:
     assert "fczero-symm-mem" not in [a.name for a in select_arms("core")]
-    assert [a.name for a in select_arms("all")] == list(ARMS)
+    assert [a.name for a in select_arms("all")] == [n for n in ARMS if n not in MEMORY_ARMS]
+    assert [a.name for a in select_arms("memory")] == MEMORY_ARMS
     assert [a.name for a in select_arms("fczero-eager,floor")] == ["floor", "fczero-eager"]
     core = [a.name for a in select_arms("all", skip="deepspeed,ddp,unshard,overlap")]
     assert core == [

@@ -21,6 +21,8 @@ class PassSettings:
     prefetch: int
     memory_budget: int | None
     replicate_groups: frozenset[str] = frozenset()  # HSDP: grads are all-reduced over these
+    activation_offload: str = "off"
+    offload_min_bytes: int = 0
 
 
 _BY_GROUP: dict[str, PassSettings] = {}
@@ -33,6 +35,8 @@ def register(
     prefetch: int,
     memory_budget: int | None,
     replicate_group: str | None = None,
+    activation_offload: str = "off",
+    offload_min_bytes: int = 0,
 ) -> None:
     """Record the settings for one group (a later ``parallelize`` on the same group wins).
     ``replicate_group``: HSDP's replicate group, whose grad all-reduces are bucketed too."""
@@ -41,7 +45,9 @@ def register(
         bucket_bytes,
         prefetch,
         memory_budget,
-        frozenset({replicate_group}) if replicate_group else frozenset(),
+        replicate_groups=frozenset({replicate_group}) if replicate_group else frozenset(),
+        activation_offload=activation_offload,
+        offload_min_bytes=offload_min_bytes,
     )
 
 

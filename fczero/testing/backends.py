@@ -1,8 +1,8 @@
 """Compile backends for tests: AOT autograd's graphs with fczero's passes, run eagerly.
 
 ``aot_eager_with_passes`` partitions like Inductor (min-cut, honouring the gather's
-recompute tags), applies ``fczero.passes.run_passes`` to the forward and backward
-graphs, and runs them without code generation: the passes' numerics on real gloo
+recompute tags, then fczero's activation offload when a group asks for it), applies
+``fczero.passes.run_passes`` to the forward and backward graphs, and runs them without code generation: the passes' numerics on real gloo
 ranks in seconds. ``recorded`` keeps the rewritten graphs for inspection.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch.fx as fx
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+from fczero.offload.partition import partition
 from fczero.passes import run_passes
 
 recorded: list[fx.GraphModule] = []
@@ -27,7 +27,7 @@ def _compile(gm: fx.GraphModule, example_inputs) -> object:
 aot_eager_with_passes = aot_autograd(
     fw_compiler=_compile,
     bw_compiler=_compile,
-    partition_fn=min_cut_rematerialization_partition,
+    partition_fn=partition,
 )
 
 BACKENDS = {"aot_eager_with_passes": aot_eager_with_passes}

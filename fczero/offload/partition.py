@@ -1,0 +1,114 @@
+"""The partitioner hook: split forward from backward as usual, then offload activations.
+
+Only the partitioner sees both graphs and knows which forward outputs are saved for
+backward, so activation offload runs here rather than among the post-grad passes.
+``partition`` wraps the min-cut partitioner (or the one the user had set) and leaves
+graphs whose process group asked for no offload as they are (it only records
+their planned peak for ``memory_report``). ``install`` hands it to
+Inductor through ``torch._inductor.config.custom_partitioner_fn``; the test backend
+``fczero.testing.backends.aot_eager_with_passes`` uses it directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import defaultdict
+from pathlib import Path
+
+import torch.fx as fx
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor import config as inductor_config
+
+from fczero.offload import streams
+from fczero.offload.activations import ActivationPlan, offload_activations
+from fczero.passes import registry
+
+logger = logging.getLogger("fczero")
+
+# group name -> plans of the forward/backward pairs compiled for it, oldest first
+recorded_plans: dict[str, list[ActivationPlan]] = defaultdict(list)
+
+
+def forget(group_name: str) -> None:
+    """Drop the plans recorded for a group (``parallelize`` calls it: a new model's report
+    starts empty)."""
+    recorded_plans.pop(group_name, None)
+
+
+def partition(gm: fx.GraphModule, joint_inputs, *, base=None, **kwargs):
+    """Partition ``gm`` with ``base`` (min-cut by default), then offload activations."""
+    base = base or min_cut_rematerialization_partition
+    fw, bw = base(gm, joint_inputs, **kwargs)
+    settings = registry.settings_for_graph(fw.graph)
+    if settings is None:
+        return fw, bw  # not a graph of fczero's
+    plan = offload_activations(
+        fw,
+        bw,
+        kwargs["num_fwd_outputs"],
+        mode=settings.activation_offload,
+        min_bytes=settings.offload_min_bytes,
+        budget=settings.memory_budget,
+    )
+    for group in sorted(settings.groups):
+        recorded_plans[group].append(plan)
+    if plan.offloaded and plan.device_type == "cpu":
+        streams.warn_once(
+            "activations-cpu",
+            "fczero: activation_offload on a CPU graph: activations are copied between host "
+            "buffers (the graph runs as with offload) and no memory is saved.",
+        )
+    return fw, bw
+
+
+try:  # torch 2.11 and 2.13 both have it; guard anyway for clear failure
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+except ImportError:  # pragma: no cover - older torch
+    CustomPartitionerFn = None
+
+
+if CustomPartitionerFn is not None:
+
+    class FczeroPartitioner(CustomPartitionerFn):
+        """Inductor's partitioner hook: the user's partitioner (or min-cut), then offload."""
+
+        def __init__(self, before) -> None:
+            self.before = before
+
+        def __call__(self, gm, joint_inputs, **kwargs):
+            return partition(gm, joint_inputs, base=self.before, **kwargs)
+
+        def uuid(self):
+            parts = b""
+            if self.before is not None:
+                uuid = self.before.uuid()
+                if uuid is None:
+                    return None
+                parts = repr(uuid).encode()
+            files = tuple(sorted(str(p) for p in Path(__file__).parent.glob("*.py")))
+            files += (str(Path(__file__).parent.parent / "memory.py"),)
+            return hashlib.sha256(
+                get_hash_for_files(files) + parts + repr(registry.snapshot()).encode()
+            ).digest()
+
+
+def install(required: bool) -> None:
+    """Set Inductor's partitioner hook to fczero's (keeping the user's as its base), once.
+
+    Without activation offload the hook changes no graph (it records planned peaks for
+    ``memory_report``); where this torch lacks the hook it is then skipped quietly,
+    while ``required`` (offload asked for) makes that an error."""
+    if CustomPartitionerFn is None or not hasattr(inductor_config, "custom_partitioner_fn"):
+        if not required:
+            return
+        raise RuntimeError(
+            "fczero: activation_offload needs torch._inductor.config.custom_partitioner_fn "
+            f"(torch 2.11 or newer); this torch is {__import__('torch').__version__}. "
+            "Upgrade torch or use activation_offload='off'."
+        )
+    current = inductor_config.custom_partitioner_fn
+    if isinstance(current, FczeroPartitioner):
+        return
+    inductor_config.custom_partitioner_fn = FczeroPartitioner(current)
+    logger.info("installed fczero's partitioner (activation offload) in Inductor")

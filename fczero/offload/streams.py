@@ -1,0 +1,84 @@
+"""Where offload and reload copies run, and how their completion is found again.
+
+On CUDA every copy runs on one side stream per device. Before it is issued the side
+stream waits for the current stream (so the copy reads finished data and writes into
+memory no earlier kernel still uses); after it, an event is recorded and kept here
+under the destination's data pointer until the matching wait consumes it. Memory
+that a copy reads or writes is marked with ``record_stream`` so that the caching
+allocator does not hand it out again before the side stream is done with it.
+
+Host buffers are pinned when possible; when pinning fails (locked-memory limits, no
+driver) the buffer is pageable, which still works but copies synchronously, and a
+warning says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+
+import torch
+
+logger = logging.getLogger("fczero")
+
+_lock = threading.Lock()
+_side_streams: dict[int, torch.cuda.Stream] = {}
+_pending: dict[int, torch.cuda.Event] = {}
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Log (and warn) ``message`` the first time ``key`` is seen in this process."""
+    if key in _warned:
+        return
+    _warned.add(key)
+    logger.warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream offload and reload copies run on, one per CUDA device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _lock:
+        stream = _side_streams.get(index)
+        if stream is None:
+            stream = torch.cuda.Stream(device=index)
+            _side_streams[index] = stream
+    return stream
+
+
+def host_buffer(like: torch.Tensor, pin: bool = True) -> torch.Tensor:
+    """An uninitialized contiguous CPU tensor shaped like ``like``; pinned if it can be."""
+    if pin and torch.cuda.is_available():
+        try:
+            return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+        except RuntimeError as err:  # pinning refused: pageable memory still works
+            warn_once(
+                "pinned",
+                "fczero: pinned host memory could not be allocated "
+                f"({str(err).splitlines()[0]}); offloaded tensors use pageable memory, "
+                "whose copies do not overlap with compute. Raise the locked-memory limit "
+                "(ulimit -l) or free host memory to get overlap back.",
+            )
+    return torch.empty(like.shape, dtype=like.dtype)
+
+
+def remember(dest: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    """Record an event on ``stream`` that marks ``dest``'s copy done."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    with _lock:
+        _pending[dest.data_ptr()] = event
+
+
+def take(dest: torch.Tensor) -> torch.cuda.Event | None:
+    """The event of ``dest``'s copy, if one is still pending (removed from the table)."""
+    with _lock:
+        return _pending.pop(dest.data_ptr(), None)
+
+
+def pending_count() -> int:
+    """How many copies have not been waited for (tests and the report read it)."""
+    with _lock:
+        return len(_pending)

@@ -1,0 +1,238 @@
+"""Optimizer-state offload: bitwise the same training, states in host buffers between steps.
+
+Each test trains a model twice from the same start, with and without offload, and
+compares parameters and states bitwise (on the CPU the copies are exact). The sharded
+case runs fczero on two gloo ranks, where the states are DTensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+import fczero
+from fczero.offload import streams
+from fczero.testing.distributed import run_on_ranks
+from tests.models import UnevenTiedMLP
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, between=None) -> None:
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(6, 5, generator=gen)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if between is not None:
+            between()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+        lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=False, amsgrad=True),
+    ],
+    ids=["adamw", "sgd-momentum", "adam-amsgrad-loop"],
+)
+def test_training_is_bitwise_equal_and_states_live_in_host_buffers(make_opt):
+    torch.manual_seed(0)
+    ref = UnevenTiedMLP()
+    off = copy.deepcopy(ref)
+    ref_opt, off_opt = make_opt(ref.parameters()), make_opt(off.parameters())
+    handle = fczero.offload_optimizer_states(off_opt)
+
+    def states_are_in_host_buffers() -> None:
+        hosts = {s.host.data_ptr() for s in handle.slots}
+        tensors = [v for st in off_opt.state.values() for v in st.values() if v.dim() > 0]
+        assert tensors and all(v.data_ptr() in hosts for v in tensors)
+
+    _train(ref, ref_opt, 4)
+    _train(off, off_opt, 4, between=states_are_in_host_buffers)
+    for a, b in zip(ref.parameters(), off.parameters()):
+        assert torch.equal(a, b)
+    for p_ref, p_off in zip(ref.parameters(), off.parameters()):
+        for key, value in ref_opt.state[p_ref].items():
+            assert torch.equal(value, off_opt.state[p_off][key]), key
+    assert len(handle.slots) == len(handle.summary.offloaded) > 0
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
+        lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    ],
+    ids=["adamw-foreach", "adamw-loop", "sgd-momentum"],
+)
+def test_chunked_step_is_bitwise_equal(make_opt):
+    torch.manual_seed(0)
+    ref = UnevenTiedMLP()
+    off = copy.deepcopy(ref)
+    ref_opt = make_opt(ref.parameters())
+    groups = [
+        {"params": list(off.parameters())[:3]},
+        {"params": list(off.parameters())[3:], "lr": 5e-3},
+    ]
+    off_opt = make_opt(groups)
+    ref_opt = make_opt(
+        [{"params": list(ref.parameters())[:3]}, {"params": list(ref.parameters())[3:], "lr": 5e-3}]
+    )
+    handle = fczero.offload_optimizer_states(off_opt, chunk_bytes=300)
+
+    def between() -> None:
+        hosts = {s.host.data_ptr() for s in handle.slots}
+        states = [v for st in off_opt.state.values() for v in st.values() if v.dim() > 0]
+        assert states and all(v.data_ptr() in hosts for v in states)
+
+    _train(ref, ref_opt, 3)
+    _train(off, off_opt, 3, between=between)
+    assert handle.summary.chunks >= 3
+    for a, b in zip(ref.parameters(), off.parameters()):
+        assert torch.equal(a, b)
+    for p_ref, p_off in zip(ref.parameters(), off.parameters()):
+        assert set(ref_opt.state[p_ref]) == set(off_opt.state[p_off])
+        for key, value in ref_opt.state[p_ref].items():
+            assert torch.equal(value, off_opt.state[p_off][key]), key
+    handle.remove()
+    assert "step" not in off_opt.__dict__  # the chunked step is taken off again
+
+
+def test_device_bytes_keeps_the_first_states():
+    torch.manual_seed(0)
+    model = UnevenTiedMLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # param0 is the 0-d ``scale`` (its 0-d states stay put); param1 is inp.weight, whose
+    # exp_avg and exp_avg_sq take 260 bytes each
+    first_weight = 13 * 5 * 4
+    handle = fczero.offload_optimizer_states(opt, device_bytes=2 * first_weight)
+    _train(model, opt, 1)
+    assert handle.summary.kept == ["group0.param1.exp_avg", "group0.param1.exp_avg_sq"]
+    assert handle.summary.kept_bytes == 2 * first_weight
+    assert "group0.param2.exp_avg" in handle.summary.offloaded
+    assert not any(name.startswith("group0.param0.") for name in handle.summary.offloaded)
+
+
+def test_state_dict_round_trip_and_remove():
+    torch.manual_seed(0)
+    model = UnevenTiedMLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    handle = fczero.offload_optimizer_states(opt)
+    _train(model, opt, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    handle.remove()
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fresh.load_state_dict(saved)
+    for p in model.parameters():
+        for key, value in opt.state[p].items():
+            assert torch.equal(value, fresh.state[p][key])
+    fczero.offload_optimizer_states(opt)  # allowed again once removed
+
+
+def test_loading_a_state_dict_plans_again():
+    torch.manual_seed(0)
+    ref = UnevenTiedMLP()
+    off = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    off_opt = torch.optim.AdamW(off.parameters(), lr=1e-2)
+    handle = fczero.offload_optimizer_states(off_opt)
+    _train(ref, ref_opt, 2)
+    _train(off, off_opt, 2)
+    off_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+    assert handle.slots is None
+    _train(ref, ref_opt, 2)
+    _train(off, off_opt, 2)
+    hosts = {s.host.data_ptr() for s in handle.slots}
+    for p_ref, p_off in zip(ref.parameters(), off.parameters()):
+        assert torch.equal(p_ref, p_off)
+        for key, value in off_opt.state[p_off].items():
+            assert torch.equal(value, ref_opt.state[p_ref][key])
+            assert value.dim() == 0 or value.data_ptr() in hosts
+
+
+def test_bad_inputs_are_clear_errors():
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        fczero.offload_optimizer_states(object())
+    with pytest.raises(ValueError, match="device_bytes must be an int >= 0"):
+        fczero.offload_optimizer_states(opt, device_bytes=-1)
+    with pytest.raises(ValueError, match="chunk_bytes must be None"):
+        fczero.offload_optimizer_states(opt, chunk_bytes=0)
+    with pytest.raises(TypeError, match="pin_memory"):
+        fczero.offload_optimizer_states(opt, pin_memory="yes")
+    fczero.offload_optimizer_states(opt)
+    with pytest.raises(ValueError, match="already offloaded"):
+        fczero.offload_optimizer_states(opt)
+
+
+def test_without_cuda_says_once_that_nothing_moves(caplog, monkeypatch):
+    monkeypatch.setattr(streams, "_warned", set())
+    model = UnevenTiedMLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fczero.offload_optimizer_states(opt)
+    with caplog.at_level(logging.WARNING, logger="fczero"), pytest.warns(RuntimeWarning):
+        _train(model, opt, 3)
+    notes = [r for r in caplog.records if "saves no memory" in r.getMessage()]
+    assert len(notes) == 1
+
+
+def test_pinning_failure_falls_back_to_pageable_with_one_warning(monkeypatch):
+    monkeypatch.setattr(streams, "_warned", set())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real_empty = torch.empty
+
+    def no_pinning(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", no_pinning)
+    with pytest.warns(RuntimeWarning, match="pageable memory") as record:
+        a, b = streams.host_buffer(torch.zeros(3, 2)), streams.host_buffer(torch.zeros(4))
+    assert a.shape == (3, 2) and b.shape == (4,) and not a.is_pinned()
+    assert len([w for w in record if "pageable" in str(w.message)]) == 1
+
+
+def _sharded_run(rank: int, world_size: int) -> bool:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    results = []
+    for offload in (False, True, "chunked"):
+        torch.manual_seed(0)
+        model = fczero.parallelize(UnevenTiedMLP(), init_device_mesh("cpu", (world_size,)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        if offload:
+            chunk = 200 if offload == "chunked" else None
+            handle = fczero.offload_optimizer_states(opt, chunk_bytes=chunk)
+        _train(model, opt, 3)
+        if offload:
+            assert handle.slots and all(
+                isinstance(v, DTensor)
+                for st in opt.state.values()
+                for v in st.values()
+                if v.dim() > 0
+            )
+        results.append(
+            [_local(p).clone() for p in model.parameters()]
+            + [_local(v).clone() for st in opt.state.values() for v in st.values()]
+        )
+    plain = results[0]
+    return all(
+        len(other) == len(plain) and all(torch.equal(a, b) for a, b in zip(plain, other))
+        for other in results[1:]
+    )
+
+
+def test_sharded_dtensor_states_are_bitwise_equal_on_two_ranks():
+    assert run_on_ranks(_sharded_run, 2) == [True, True]
