@@ -73,11 +73,12 @@ def test_empty_model(fake_pg):
     _assert_untouched(model)
 
 
-def test_param_already_a_dtensor(fake_pg):
+def test_param_already_a_dtensor_on_the_data_parallel_mesh(fake_pg):
+    # A DTensor param must be tensor-parallel, on another named axis of the same mesh.
     model = TwoLayer()
     mesh = _mesh()
     model.fc2.weight = nn.Parameter(distribute_tensor(model.fc2.weight.detach(), mesh, [Shard(0)]))
-    with pytest.raises(ValueError, match=r"'fc2.weight' is already a DTensor; fczero shards plain"):
+    with pytest.raises(ValueError, match=r"'fc2.weight' is a DTensor on a mesh without axis names"):
         fczero.parallelize(model, mesh)
     assert not fczero.is_parallelized(model)
 
