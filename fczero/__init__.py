@@ -6,7 +6,8 @@ and reduces are traceable functional collectives, so plain ``torch.compile`` see
 """
 
 from fczero.api import is_parallelized, parallelize
+from fczero.clipping import clip_grad_norm_
 from fczero.config import ShardingOptions
 
-__all__ = ["ShardingOptions", "is_parallelized", "parallelize"]
+__all__ = ["ShardingOptions", "clip_grad_norm_", "is_parallelized", "parallelize"]
 __version__ = "0.1.0"
