@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -12,8 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
+from fczero import meta_init, resharding
 from fczero import prefetch as eager_prefetch
-from fczero import resharding
 from fczero.config import ShardingOptions
 from fczero.passes import registry
 from fczero.passes.install import install
@@ -44,6 +45,7 @@ def parallelize(
     bucket_bytes: int = 128 * 2**20,
     prefetch: int = 1,
     memory_budget: int | None = None,
+    init_fn: Callable[[nn.Module], None] | None = None,
     **unknown: object,
 ) -> nn.Module:
     """Shard every parameter of ``model`` over ``mesh`` (ZeRO stage 3), in place.
@@ -66,6 +68,11 @@ def parallelize(
         param_dtype, reduce_dtype, reshard_after_forward, axis, compile_passes,
         bucket_bytes, prefetch, memory_budget: see :class:`fczero.ShardingOptions`
             (one docstring per field).
+        init_fn: for a model built on the meta device only: ``init_fn(module)``
+            initializes that module's own params and buffers in place. It runs on one
+            module at a time, whole on the mesh's device, children before parents (as
+            ``model.apply`` would), then the module's params are sharded. ``None``: each
+            such module's ``reset_parameters()``. See ``fczero/meta_init.py``.
 
     Returns:
         ``model`` itself, parallelized.
@@ -87,8 +94,11 @@ def parallelize(
     )
     dp_mesh = _data_parallel_mesh(mesh, options.axis)
     owners = _validate_model(model)
+    meta_plan = meta_init.plan(model, init_fn)
 
     specs_by_param: dict[int, tuple[nn.Parameter, ShardSpec]] = {}
+    if meta_plan is not None:
+        specs_by_param = meta_init.init_and_shard(meta_plan, dp_mesh, options)
     wiring: dict[nn.Module, dict[str, ShardSpec]] = {}
     for module, name, param in owners:
         if id(param) not in specs_by_param:  # a param shared by several modules is sharded once
@@ -189,11 +199,6 @@ def _validate_model(model: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter
                     f"fczero: parameter {qualified!r} has dtype {param.dtype}; only floating "
                     "params can be sharded and trained. Register it as a buffer instead "
                     "(module.register_buffer)."
-                )
-            if param.device.type == "meta":
-                raise ValueError(
-                    f"fczero: parameter {qualified!r} is on the meta device; materialize the "
-                    "model (e.g. model.to_empty(device=...) and initialize) before parallelize."
                 )
             owners.append((module, name, param))
     return owners
