@@ -166,7 +166,9 @@ def _check_placements(g: DTensor) -> None:
         )
 
 
-def _local_norm(tensors: list[torch.Tensor], norm_type: float, foreach: bool | None) -> torch.Tensor:
+def _local_norm(
+    tensors: list[torch.Tensor], norm_type: float, foreach: bool | None
+) -> torch.Tensor:
     """The norm of this rank's pieces, as a float32 scalar (0 when every piece is empty)."""
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:

@@ -106,7 +106,9 @@ def plan(model: nn.Module, init_fn: InitFn | None) -> MetaPlan | None:
             )
         return None
     if init_fn is None:
-        missing = [label for label, m in modules if not callable(getattr(m, "reset_parameters", None))]
+        missing = [
+            label for label, m in modules if not callable(getattr(m, "reset_parameters", None))
+        ]
         if missing:
             shown = ", ".join(repr(n) for n in missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(
@@ -163,6 +165,8 @@ def init_and_shard(
         for meta in metas.values():
             owners_left[id(meta)] -= 1
             if owners_left[id(meta)] == 0:
-                sharded[id(meta)] = shard_tensor(whole.pop(id(meta)), mesh, options, meta.requires_grad)
+                sharded[id(meta)] = shard_tensor(
+                    whole.pop(id(meta)), mesh, options, meta.requires_grad
+                )
     logger.info("initialized %d meta modules shard by shard", len(meta_plan.modules))
     return sharded

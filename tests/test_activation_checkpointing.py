@@ -79,14 +79,17 @@ class CheckpointedNet(nn.Module):
 
 def batches(steps: int = 3, batch: int = 8):
     g = torch.Generator().manual_seed(5)
-    return [(torch.randn(batch, 6, generator=g), torch.randn(batch, 5, generator=g))
-            for _ in range(steps)]
+    return [
+        (torch.randn(batch, 6, generator=g), torch.randn(batch, 5, generator=g))
+        for _ in range(steps)
+    ]
 
 
 def _count_gathers(rank: int, world_size: int, mode: str, reshard: bool):
     torch.manual_seed(0)
     model = fczero.parallelize(
-        CheckpointedNet(mode), init_device_mesh("cpu", (world_size,)),
+        CheckpointedNet(mode),
+        init_device_mesh("cpu", (world_size,)),
         reshard_after_forward=reshard,
     )
     x, y = batches(steps=1)[0]
@@ -139,8 +142,13 @@ def test_eager_recompute_regathers(eager_counts, key):
 
 def _train(rank: int, world_size: int, mode: str, backend: str | None, reshard: bool):
     return parity.train_parallel(
-        rank, world_size, BUILDS[mode], batches(), parity.mse,
-        compile_backend=backend, reshard_after_forward=reshard,
+        rank,
+        world_size,
+        BUILDS[mode],
+        batches(),
+        parity.mse,
+        compile_backend=backend,
+        reshard_after_forward=reshard,
     )
 
 
@@ -176,8 +184,9 @@ def trained():
     return run_on_ranks(_train_all, 2)[0]
 
 
-@pytest.mark.parametrize("index", range(len(TRAIN_CASES)),
-                         ids=lambda i: "-".join(str(v) for v in TRAIN_CASES[i]))
+@pytest.mark.parametrize(
+    "index", range(len(TRAIN_CASES)), ids=lambda i: "-".join(str(v) for v in TRAIN_CASES[i])
+)
 def test_training_matches_reference(trained, index):
     mode = TRAIN_CASES[index][0]
     expected = parity.train_reference(BUILDS[mode], batches(), parity.mse)
@@ -217,7 +226,7 @@ def test_compiled_backward_regathers_block_params(fake_pg, key):
     assert len(backend.fw_graphs) == 1 and len(backend.bw_graphs) == 1
     fw, bw = backend.fw_graphs[0], backend.bw_graphs[0]
     prefix = "all_gather_into_tensor"
-    gathers = Counter(c[len(prefix):] for c in collective_sequence(bw) if c.startswith(prefix))
+    gathers = Counter(c[len(prefix) :] for c in collective_sequence(bw) if c.startswith(prefix))
     if torch.__version__.startswith(SNAPSHOT_TORCH):
         assert gathers == COMPILED[key], collective_sequence(bw)
     else:  # the partitioner's choices may move with the version; the recompute may not

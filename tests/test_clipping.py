@@ -58,7 +58,7 @@ def _reference(norm_type: float, foreach: bool | None, max_norm: float):
     model = ClipModel()
     x, y = mlp_batches(steps=1)[0]
     parity.mse(model(x), y).backward()
-    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type, foreach=foreach)
     return total, _grads(model, whole=False)
 
 
@@ -73,8 +73,11 @@ def _ranks(rank: int, world_size: int, cases):
         x, y = mlp_batches(steps=1)[0]
         n = x.shape[0] // world_size
         parity.mse(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
-        shapes = {n: tuple(p.grad.to_local().shape) for n, p in model.named_parameters()
-                  if p.grad is not None}
+        shapes = {
+            n: tuple(p.grad.to_local().shape)
+            for n, p in model.named_parameters()
+            if p.grad is not None
+        }
         total = fczero.clip_grad_norm_(model, max_norm, norm_type, foreach=foreach)
         results.append((total, _grads(model, whole=True), shapes))
     return results
@@ -89,12 +92,12 @@ def clipped():
 def test_clip_matches_reference(clipped, index):
     norm_type, foreach, max_norm = CASES[index]
     expected_total, expected_grads = _reference(norm_type, foreach, max_norm)
-    for rank, per_case in enumerate(clipped):
-        total, grads, shapes = per_case[index]
+    for per_case in clipped:
+        total, grads, _ = per_case[index]
         torch.testing.assert_close(total, expected_total, **FP32)
         assert grads.keys() == expected_grads.keys()
         for name, g in expected_grads.items():
-            torch.testing.assert_close(grads[name], g, **FP32, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(grads[name], g, **FP32, msg=lambda m, n=name: f"{n}: {m}")
     # the case really covers an empty shard and a replicated 0-d grad
     assert clipped[1][index][2]["gate.weight"] == (0, 13)
     assert clipped[0][index][2]["body.scale"] == ()
@@ -166,3 +169,15 @@ def test_nonfinite_norm_raises_and_leaves_grads():
 def test_bad_arguments(args, error, match):
     with pytest.raises(error, match=match):
         fczero.clip_grad_norm_(*args)
+
+
+def test_partial_grad_is_refused(fake_pg):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = init_device_mesh("cpu", (2,))
+    p = nn.Parameter(DTensor.from_local(torch.ones(4), mesh, [Partial()]))
+    p.grad = DTensor.from_local(torch.ones(4), mesh, [Partial()])
+    with pytest.raises(ValueError, match=r"placement P\(sum\); only Shard and Replicate"):
+        fczero.clip_grad_norm_([p], 1.0)
+    assert p.grad.to_local()[0].item() == 1.0

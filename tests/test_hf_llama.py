@@ -90,7 +90,12 @@ CASES = [
     ("eager", HFCausalLM, None, {}),
     ("aot_eager", HFCausalLM, "aot_eager", {}),
     ("aot_eager-meta_init", meta_hf, "aot_eager", {"init_fn": hf_init}),
-    ("eager-bf16", HFCausalLM, None, {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}),
+    (
+        "eager-bf16",
+        HFCausalLM,
+        None,
+        {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
+    ),
 ]
 
 
@@ -100,8 +105,16 @@ def _run_cases(rank: int, world_size: int, cases, batches, device_type: str):
         torch._dynamo.reset()
         traces.append(
             parity.train_parallel(
-                rank, world_size, build, batches, parity.cross_entropy, optimizer="adamw",
-                lr=LR, compile_backend=backend, device_type=device_type, **options,
+                rank,
+                world_size,
+                build,
+                batches,
+                parity.cross_entropy,
+                optimizer="adamw",
+                lr=LR,
+                compile_backend=backend,
+                device_type=device_type,
+                **options,
             )
         )
     return traces
@@ -148,12 +161,14 @@ def test_hf_llama_nccl_inductor():
     cases = [
         ("inductor", HFCausalLM, "inductor", {}),
         ("inductor-meta_init", meta_hf, "inductor", {"init_fn": hf_init}),
-        ("inductor-bf16", HFCausalLM, "inductor",
-         {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}),
+        (
+            "inductor-bf16",
+            HFCausalLM,
+            "inductor",
+            {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
+        ),
     ]
-    per_rank = run_on_ranks(
-        _run_cases, 2, cases, token_batches(steps=3), "cuda", backend="nccl"
-    )
+    per_rank = run_on_ranks(_run_cases, 2, cases, token_batches(steps=3), "cuda", backend="nccl")
     for (name, *_), trace in zip(cases, per_rank[0]):
         tol = BF16 if "bf16" in name else GPU_FP32
         parity.assert_close(trace, _expected(name, "cuda"), **tol)

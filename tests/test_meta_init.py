@@ -77,9 +77,15 @@ def _meta_parallel(rank: int, world_size: int, build, init_fn):
     seen_whole = []  # per init call: how many params of the model were real (not meta)
 
     def counting(module: nn.Module) -> None:
-        real = {id(p) for m in model.modules() for p in m._parameters.values()
-                if p is not None and p.device.type != "meta"}
-        seen_whole.append((len(real), len([p for p in module._parameters.values() if p is not None])))
+        real = {
+            id(p)
+            for m in model.modules()
+            for p in m._parameters.values()
+            if p is not None and p.device.type != "meta"
+        }
+        seen_whole.append(
+            (len(real), len([p for p in module._parameters.values() if p is not None]))
+        )
         if init_fn is None:
             module.reset_parameters()
         else:
@@ -90,7 +96,9 @@ def _meta_parallel(rank: int, world_size: int, build, init_fn):
     after = torch.rand(4)  # the RNG must have advanced exactly as the whole init's did
     params = {n: p.full_tensor() for n, p in model.named_parameters()}
     buffers = {n: b.clone() for n, b in model.named_buffers()}
-    local_rows = {n: p.to_local().shape[0] if p.dim() else None for n, p in model.named_parameters()}
+    local_rows = {
+        n: p.to_local().shape[0] if p.dim() else None for n, p in model.named_parameters()
+    }
     return params, buffers, after, seen_whole, local_rows
 
 
@@ -107,7 +115,9 @@ def meta_ranks():
 
 
 @pytest.mark.parametrize(
-    "index", range(len(VALUE_CASES)), ids=["reset_parameters", "uneven-tied-init_fn", "llama-init_fn"]
+    "index",
+    range(len(VALUE_CASES)),
+    ids=["reset_parameters", "uneven-tied-init_fn", "llama-init_fn"],
 )
 def test_values_equal_whole_init(meta_ranks, index):
     build, init_fn = VALUE_CASES[index]
@@ -118,8 +128,9 @@ def test_values_equal_whole_init(meta_ranks, index):
     for params, buffers, after, seen_whole, local_rows in ranks:
         assert params.keys() == expected.keys()
         for name, value in expected.items():
-            torch.testing.assert_close(params[name], value.detach(), rtol=0, atol=0,
-                                       msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(
+                params[name], value.detach(), rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}"
+            )
         for name, value in ref.named_buffers():
             torch.testing.assert_close(buffers[name], value, rtol=0, atol=0)
         torch.testing.assert_close(after, ref_after, rtol=0, atol=0)
@@ -147,8 +158,15 @@ def _reference_llama() -> nn.Module:
 
 def _train_meta(rank: int, world_size: int, batches, backend):
     return parity.train_parallel(
-        rank, world_size, _meta_llama, batches, parity.cross_entropy, optimizer="adamw",
-        lr=1e-3, compile_backend=backend, init_fn=init_llama,
+        rank,
+        world_size,
+        _meta_llama,
+        batches,
+        parity.cross_entropy,
+        optimizer="adamw",
+        lr=1e-3,
+        compile_backend=backend,
+        init_fn=init_llama,
     )
 
 
