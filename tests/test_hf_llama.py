@@ -16,6 +16,7 @@ import torch.nn as nn
 from fczero.testing import parity
 from fczero.testing.distributed import run_on_ranks
 from tests.models import token_batches
+from tests.test_activation_checkpointing import save_attention_context
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (a test extra: pip install -e .[test])"
@@ -51,6 +52,21 @@ class HFCausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=tokens, use_cache=False).logits
+
+
+class CheckpointedHF(HFCausalLM):
+    """HF's own activation checkpointing, with the attention-saving selective policy that
+    compiles (see [Note: SDPA in a compiled checkpoint] in test_activation_checkpointing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={
+                "use_reentrant": False,
+                "context_fn": save_attention_context,
+            }
+        )
+        self.lm.train()
 
 
 def meta_hf() -> HFCausalLM:
@@ -90,6 +106,7 @@ CASES = [
     ("eager", HFCausalLM, None, {}),
     ("aot_eager", HFCausalLM, "aot_eager", {}),
     ("aot_eager-meta_init", meta_hf, "aot_eager", {"init_fn": hf_init}),
+    ("aot_eager-checkpointed", CheckpointedHF, "aot_eager", {}),
     (
         "eager-bf16",
         HFCausalLM,
@@ -121,7 +138,7 @@ def _run_cases(rank: int, world_size: int, cases, batches, device_type: str):
 
 
 def _expected(name: str, device: str = "cpu") -> parity.Trace:
-    build = HFCausalLM
+    build = CheckpointedHF if "checkpointed" in name else HFCausalLM
     if "meta_init" in name:
         build = reference_hf_cuda if device == "cuda" else reference_hf
     return parity.train_reference(
