@@ -83,9 +83,18 @@ def _ranks(rank: int, world_size: int, cases):
     return results
 
 
+def _all_ranks(rank: int, world_size: int):
+    return _ranks(rank, world_size, CASES), _scalar_only(rank, world_size)
+
+
 @pytest.fixture(scope="module")
-def clipped():
-    return run_on_ranks(_ranks, 2, CASES)
+def clip_results():
+    return run_on_ranks(_all_ranks, 2)  # one spawn for every case of this file
+
+
+@pytest.fixture(scope="module")
+def clipped(clip_results):
+    return [per_case for per_case, _ in clip_results]
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=lambda i: "-".join(map(str, CASES[i])))
@@ -105,9 +114,9 @@ def test_clip_matches_reference(clipped, index):
         assert expected_total > max_norm  # the case clips
 
 
-def test_replicated_grad_counted_once():
-    """Only the 0-d param has a grad: the norm is |grad|, not sqrt(world) * |grad|."""
-    (r0, r1) = run_on_ranks(_scalar_only, 2)
+def test_replicated_grad_counted_once(clip_results):
+    """Only the 0-d param is clipped: the norm is |grad|, not sqrt(world) * |grad|."""
+    r0, r1 = (scalar for _, scalar in clip_results)
     torch.manual_seed(0)
     ref = ClipModel()
     x, y = mlp_batches(steps=1)[0]

@@ -105,13 +105,21 @@ def _meta_parallel(rank: int, world_size: int, build, init_fn):
 VALUE_CASES = [(Stack, None), (UnevenTiedMLP, init_uneven), (tiny_llama, init_llama)]
 
 
+TRAIN_BACKENDS = [None, "aot_eager"]
+
+
 def _meta_parallel_all(rank: int, world_size: int):
-    return [_meta_parallel(rank, world_size, build, fn) for build, fn in VALUE_CASES]
+    values = [_meta_parallel(rank, world_size, build, fn) for build, fn in VALUE_CASES]
+    traces = []
+    for backend in TRAIN_BACKENDS:
+        torch._dynamo.reset()
+        traces.append(_train_meta(rank, world_size, token_batches(steps=3), backend))
+    return values, traces
 
 
 @pytest.fixture(scope="module")
 def meta_ranks():
-    return run_on_ranks(_meta_parallel_all, 2)  # one spawn for every case
+    return run_on_ranks(_meta_parallel_all, 2)  # one spawn for every case of this file
 
 
 @pytest.mark.parametrize(
@@ -121,7 +129,7 @@ def meta_ranks():
 )
 def test_values_equal_whole_init(meta_ranks, index):
     build, init_fn = VALUE_CASES[index]
-    ranks = [per_rank[index] for per_rank in meta_ranks]
+    ranks = [values[index] for values, _ in meta_ranks]
     ref = _whole_reference(build, init_fn)
     ref_after = torch.rand(4)
     expected = dict(ref.named_parameters())
@@ -170,12 +178,11 @@ def _train_meta(rank: int, world_size: int, batches, backend):
     )
 
 
-@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "aot_eager"])
-def test_meta_llama_trains_like_reference(backend):
-    batches = token_batches(steps=3)
-    trace = run_on_ranks(_train_meta, 2, batches, backend)[0]
+@pytest.mark.parametrize("index", range(len(TRAIN_BACKENDS)), ids=["eager", "aot_eager"])
+def test_meta_llama_trains_like_reference(meta_ranks, index):
+    trace = meta_ranks[0][1][index]
     expected = parity.train_reference(
-        _reference_llama, batches, parity.cross_entropy, optimizer="adamw", lr=1e-3
+        _reference_llama, token_batches(steps=3), parity.cross_entropy, optimizer="adamw", lr=1e-3
     )
     parity.assert_close(trace, expected, rtol=1e-5, atol=1e-6)
 
