@@ -8,6 +8,7 @@ and reduces are traceable functional collectives, so plain ``torch.compile`` see
 from fczero import checkpoint
 from fczero.accumulation import no_sync, set_requires_gradient_sync
 from fczero.api import is_parallelized, parallelize
+from fczero.clipping import clip_grad_norm_
 from fczero.config import ShardingOptions
 from fczero.consistency import CollectiveMismatchError
 from fczero.grads import check_finite_grads
@@ -21,6 +22,7 @@ __all__ = [
     "ShardingOptions",
     "check_finite_grads",
     "checkpoint",
+    "clip_grad_norm_",
     "is_parallelized",
     "memory_report",
     "no_sync",

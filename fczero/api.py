@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -14,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from fczero import consistency, guards, resharding, stages, unsharding
+from fczero import consistency, guards, meta_init, resharding, stages, unsharding
 from fczero import prefetch as eager_prefetch
 from fczero.config import ShardingOptions
 from fczero.meshes import MeshLayout, resolve_mesh
@@ -53,6 +54,7 @@ def parallelize(
     stage: int = 3,
     check_collectives: bool = False,
     check_timeout_s: float = 300.0,
+    init_fn: Callable[[nn.Module], None] | None = None,
     **unknown: object,
 ) -> nn.Module:
     """Shard every parameter of ``model`` over ``mesh`` (ZeRO stage 3 by default), in place.
@@ -79,6 +81,11 @@ def parallelize(
         check_collectives, check_timeout_s: see
             :class:`fczero.ShardingOptions`
             (one docstring per field).
+        init_fn: for a model built on the meta device only: ``init_fn(module)``
+            initializes that module's own params and buffers in place. It runs on one
+            module at a time, whole on the mesh's device, children before parents (as
+            ``model.apply`` would), then the module's params are sharded. ``None``: each
+            such module's ``reset_parameters()``. See ``fczero/meta_init.py``.
 
     Returns:
         ``model`` itself, parallelized.
@@ -124,16 +131,32 @@ def parallelize(
             group_name, dp_mesh.size(), options, params, options.check_timeout_s
         )
 
+    meta_plan = meta_init.plan(model, init_fn)
+    if meta_plan is not None and (
+        options.stage != 3
+        or layout.replicate_axis is not None
+        or any(isinstance(p, DTensor) for *_, p in owners)
+    ):
+        raise ValueError(
+            "fczero: a model on the meta device can be initialized by parallelize only with "
+            "stage=3 on a mesh without replicate or tensor-parallel axes; for the others, "
+            "materialize it first (model.to_empty(device=...) and initialize it)."
+        )
+
     specs_by_param: dict[int, tuple[nn.Parameter, ShardSpec]] = {}
+    if meta_plan is not None:
+        specs_by_param = meta_init.init_and_shard(meta_plan, dp_mesh, options)
     originals: dict[int, nn.Parameter] = {}
     first_owner: list[tuple[str, torch.Tensor, ShardSpec]] = []
     for path, _, _, param in owners:
-        if id(param) not in specs_by_param:  # a param shared by several modules is sharded once
+        if id(param) in originals:
+            continue  # a param shared by several modules is sharded once
+        if id(param) not in specs_by_param:  # (meta-device params are sharded already)
             specs_by_param[id(param)] = shard_tensor(
                 param, dp_mesh, options, param.requires_grad, layout.for_param(param)
             )
-            originals[id(param)] = param
-            first_owner.append((path, param, specs_by_param[id(param)][1]))
+        originals[id(param)] = param
+        first_owner.append((path, param, specs_by_param[id(param)][1]))
     if options.reshard_after_forward and options.stage == 3:
         for key in unsharding.plan_kept_params(first_owner, options.unsharded_budget):
             sharded, spec = specs_by_param[key]
@@ -214,11 +237,6 @@ def _validate_model(
                     f"fczero: parameter {qualified!r} has dtype {param.dtype}; only floating "
                     "params can be sharded and trained. Register it as a buffer instead "
                     "(module.register_buffer)."
-                )
-            if param.device.type == "meta":
-                raise ValueError(
-                    f"fczero: parameter {qualified!r} is on the meta device; materialize the "
-                    "model (e.g. model.to_empty(device=...) and initialize) before parallelize."
                 )
             owners.append((module_name, module, name, param))
     return owners

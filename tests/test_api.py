@@ -122,10 +122,3 @@ def test_not_a_mesh_or_module(fake_pg):
         fczero.parallelize(TwoLayer(), "cpu")
     with pytest.raises(TypeError, match="needs an nn.Module"):
         fczero.parallelize(lambda x: x, init_device_mesh("cpu", (2,)))
-
-
-def test_meta_params_are_refused(fake_pg):
-    with torch.device("meta"):
-        model = TwoLayer()
-    with pytest.raises(ValueError, match="on the meta device; materialize"):
-        fczero.parallelize(model, init_device_mesh("cpu", (2,)))

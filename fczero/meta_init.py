@@ -1,0 +1,172 @@
+"""Models built on the meta device: initialize module by module, keep only the shards.
+
+[Note: meta-device init]
+A model built under ``torch.device("meta")`` has shapes and no storage. ``parallelize``
+fills it one module at a time, in the order ``model.apply`` visits modules (children
+first, then the parent), counting only modules that directly own meta params or meta
+buffers:
+
+    1. allocate the module's own meta params and buffers, whole, on the mesh's device
+       (``torch.empty``; a tied param keeps one tensor for all its owners)
+    2. run the init on the module: ``init_fn(module)``, or ``module.reset_parameters()``
+    3. shard each param whose last owner is now initialized (the whole tensor is freed)
+
+So a rank never holds more than one module's whole params beside its shards, and every
+param gets exactly the values that ``model.apply(init_fn)`` (or each module's
+``reset_parameters()``, in the same order) gives a materialized model from the same RNG
+state on the same device type: the same ops run on the same whole tensors in the same
+order. No collective runs, so the RNG state must already be equal on every rank
+(``torch.manual_seed`` with one seed everywhere), as for any fczero model.
+
+Why not initialize the shards directly (DTensor random ops)? On a CPU mesh DTensor has
+no RNG offset tracker (``torch.distributed.tensor._random.is_rng_supported_mesh`` is
+False for CPU), so every rank would draw its shard from the start of its own generator:
+with equal seeds all ranks get the same numbers, and none of them match the whole
+tensor's. Whole-module init gives exact values on every device type.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fczero.config import ShardingOptions
+from fczero.sharding import ShardSpec, mesh_device, shard_tensor
+
+logger = logging.getLogger("fczero")
+
+InitFn = Callable[[nn.Module], None]
+
+
+@dataclass(frozen=True)
+class MetaPlan:
+    """The modules to initialize, in ``model.apply`` order, and how."""
+
+    modules: tuple[tuple[str, nn.Module], ...]
+    init_fn: InitFn | None
+
+
+def _is_meta(t: torch.Tensor | None) -> bool:
+    return t is not None and t.device.type == "meta"
+
+
+def _apply_order(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Each module once, children before their parent (the order of ``model.apply``)."""
+    order: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        for name, child in module._modules.items():
+            if child is not None:
+                visit(f"{prefix}.{name}" if prefix else name, child)
+        order.append((prefix, module))
+
+    visit("", model)
+    return order
+
+
+def plan(model: nn.Module, init_fn: InitFn | None) -> MetaPlan | None:
+    """Check a possibly-meta model; ``None`` when nothing is on the meta device.
+
+    Raises (before anything is changed) when the model cannot be initialized.
+    """
+    if init_fn is not None and not callable(init_fn):
+        raise TypeError(
+            "fczero: init_fn must be a function that takes one module and initializes its "
+            f"own params and buffers in place, got {init_fn!r} ({type(init_fn).__name__})."
+        )
+    modules = []
+    for name, module in _apply_order(model):
+        label = name or type(model).__name__
+        params = [p for p in module._parameters.values() if p is not None]
+        meta = [p for p in params if _is_meta(p)]
+        buffers = [b for b in module._buffers.values() if _is_meta(b)]
+        if meta and len(meta) != len(params):
+            raise ValueError(
+                f"fczero: module {label!r} has params both on the meta device and on a real "
+                "device; build each module wholly on one device (all of the model under "
+                "torch.device('meta'), or none of it)."
+            )
+        if meta or buffers:
+            modules.append((label, module))
+    if not modules:
+        if init_fn is not None:
+            raise ValueError(
+                "fczero: init_fn is given but no param or buffer is on the meta device, so "
+                "there is nothing for it to initialize. Build the model under "
+                "torch.device('meta'), or initialize it yourself and drop init_fn."
+            )
+        return None
+    if init_fn is None:
+        missing = [
+            label for label, m in modules if not callable(getattr(m, "reset_parameters", None))
+        ]
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(
+                f"fczero: the model is on the meta device and module(s) {shown} own meta "
+                "params or buffers but have no reset_parameters(). Pass "
+                "parallelize(..., init_fn=fn), where fn(module) initializes that module's own "
+                "params and buffers in place, or build those modules on a real device."
+            )
+    return MetaPlan(tuple(modules), init_fn)
+
+
+def init_and_shard(
+    meta_plan: MetaPlan, mesh: DeviceMesh, options: ShardingOptions
+) -> dict[int, tuple[nn.Parameter, ShardSpec]]:
+    """Initialize the planned modules one at a time; return ``{id(meta param): (sharded, spec)}``.
+
+    Afterwards the planned modules' buffers are real tensors on the mesh's device, while
+    their ``_parameters`` still hold the meta params (``parallelize`` swaps in the shards).
+    """
+    device = mesh_device(mesh)
+    owners_left: dict[int, int] = {}
+    for _, module in meta_plan.modules:
+        for p in module._parameters.values():
+            if _is_meta(p):
+                owners_left[id(p)] = owners_left.get(id(p), 0) + 1
+    whole: dict[int, nn.Parameter] = {}  # meta param id -> whole param, while owners remain
+    sharded: dict[int, tuple[nn.Parameter, ShardSpec]] = {}
+    for label, module in meta_plan.modules:
+        metas = {n: p for n, p in module._parameters.items() if _is_meta(p)}
+        for name, meta in metas.items():
+            if id(meta) not in whole:
+                empty = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+                whole[id(meta)] = nn.Parameter(empty, requires_grad=meta.requires_grad)
+            module._parameters[name] = whole[id(meta)]
+        for name, buf in module._buffers.items():
+            if _is_meta(buf):
+                module._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
+        try:
+            with torch.no_grad():
+                if meta_plan.init_fn is not None:
+                    meta_plan.init_fn(module)
+                else:
+                    module.reset_parameters()  # type: ignore[operator]
+            for name, meta in metas.items():
+                if module._parameters[name] is not whole[id(meta)]:
+                    raise ValueError(
+                        f"fczero: initializing module {label!r} replaced its param {name!r}; "
+                        "the init must fill params in place (nn.init.*_ functions, "
+                        "param.copy_(...)), not assign new ones."
+                    )
+        finally:
+            for name, meta in metas.items():  # parallelize swaps in the shards by meta param
+                module._parameters[name] = meta
+        for meta in metas.values():
+            owners_left[id(meta)] -= 1
+            if owners_left[id(meta)] == 0:
+                sharded[id(meta)] = shard_tensor(
+                    whole.pop(id(meta)), mesh, options, meta.requires_grad
+                )
+    logger.info("initialized %d meta modules shard by shard", len(meta_plan.modules))
+    return sharded
