@@ -15,21 +15,12 @@ recorded as timed out and the run exits; what was recorded so far stays in OUT.
 
 from __future__ import annotations
 
-import os
-
-# NVLink multicast stays off on the shared GPU hosts (see the device notes); set before NCCL starts.
-for _key, _value in (
-    ("NCCL_NVLS_ENABLE", "0"),
-    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-    ("NVSHMEM_DISABLE_NVLS", "1"),
-):
-    os.environ.setdefault(_key, _value)
-
 import argparse
 import datetime
 import gc
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading

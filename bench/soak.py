@@ -21,21 +21,12 @@ or the peak of the last window exceeds the first one's by more than ``--mem-tole
 
 from __future__ import annotations
 
-import os
-
-# NVLink multicast stays off on the shared GPU hosts (see the device notes); set before NCCL starts.
-for _key, _value in (
-    ("NCCL_NVLS_ENABLE", "0"),
-    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-    ("NVSHMEM_DISABLE_NVLS", "1"),
-):
-    os.environ.setdefault(_key, _value)
-
 import argparse
 import datetime
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path

@@ -22,8 +22,8 @@ import logging
 import torch.fx as fx
 
 from fczero.memory import op_name
-from fczero.passes.bucketing import _bucket, _contiguous, _hand_out
-from fczero.passes.graph_utils import aten, c10d, insert, position
+from fczero.passes.bucketing import _bucket, flatten_inputs, hand_out, slices
+from fczero.passes.graph_utils import c10d, insert, position
 from fczero.passes.matching import Collective, _only_wait
 
 logger = logging.getLogger("fczero")
@@ -53,25 +53,14 @@ def bucket_all_reduces_pass(
 def _merge_all_reduces(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None:
     pos = position(graph)
     last = max(bucket, key=lambda c: pos[c.node]).node  # every grad is ready here
-    group = bucket[0].group_name
     with graph.inserting_before(last):
-        flats = [
-            insert(
-                graph,
-                fake_mode,
-                aten.view.default,
-                (_contiguous(graph, fake_mode, c.input), [-1]),
-                like=c.node,
-            )
-            for c in bucket
-        ]
-        sizes = [f.meta["val"].numel() for f in flats]
-        flat = insert(graph, fake_mode, aten.cat.default, (flats, 0), like=last)
-        reduced = insert(graph, fake_mode, c10d.all_reduce.default, (flat, "sum", group), like=last)
+        flat, sizes = flatten_inputs(graph, fake_mode, bucket, like=last)
+        reduced = insert(
+            graph,
+            fake_mode,
+            c10d.all_reduce.default,
+            (flat, "sum", bucket[0].group_name),
+            like=last,
+        )
         wait = insert(graph, fake_mode, c10d.wait_tensor.default, (reduced,), like=last)
-        offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        pieces = [
-            insert(graph, fake_mode, aten.slice.Tensor, (wait, 0, a, b), like=c.node)
-            for c, a, b in zip(bucket, offsets, offsets[1:])
-        ]
-        _hand_out(graph, fake_mode, bucket, pieces)
+        hand_out(graph, fake_mode, bucket, slices(graph, fake_mode, wait, bucket, sizes))

@@ -125,18 +125,7 @@ def _merge_gathers(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None
         move_before([n for n in c.prep if pos[n] > pos[first]], first)
     world, group = bucket[0].group_size, bucket[0].group_name
     with graph.inserting_before(first):
-        flats = [
-            insert(
-                graph,
-                fake_mode,
-                aten.view.default,
-                (_contiguous(graph, fake_mode, c.input), [-1]),
-                like=c.node,
-            )
-            for c in bucket
-        ]
-        sizes = [f.meta["val"].numel() for f in flats]
-        flat = insert(graph, fake_mode, aten.cat.default, (flats, 0), like=first)
+        flat, sizes = flatten_inputs(graph, fake_mode, bucket, like=first)
         ag = insert(
             graph, fake_mode, c10d.all_gather_into_tensor.default, (flat, world, group), like=first
         )
@@ -158,7 +147,7 @@ def _merge_gathers(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None
                 )
             )
             offset += n
-        _hand_out(graph, fake_mode, bucket, pieces)
+        hand_out(graph, fake_mode, bucket, pieces)
 
 
 def _merge_reduces(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None:
@@ -181,15 +170,39 @@ def _merge_reduces(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None
             like=last,
         )
         wait = insert(graph, fake_mode, c10d.wait_tensor.default, (rs,), like=last)
-        offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        pieces = [
-            insert(graph, fake_mode, aten.slice.Tensor, (wait, 0, a, b), like=c.node)
-            for c, a, b in zip(bucket, offsets, offsets[1:])
-        ]
-        _hand_out(graph, fake_mode, bucket, pieces)
+        hand_out(graph, fake_mode, bucket, slices(graph, fake_mode, wait, bucket, sizes))
 
 
-def _hand_out(graph: fx.Graph, fake_mode, bucket: list[Collective], pieces: list[fx.Node]) -> None:
+def flatten_inputs(
+    graph: fx.Graph, fake_mode, bucket: list[Collective], like: fx.Node
+) -> tuple[fx.Node, list[int]]:
+    """One flat tensor of every member's input (for a merged collective), and their sizes."""
+    flats = [
+        insert(
+            graph,
+            fake_mode,
+            aten.view.default,
+            (_contiguous(graph, fake_mode, c.input), [-1]),
+            like=c.node,
+        )
+        for c in bucket
+    ]
+    sizes = [f.meta["val"].numel() for f in flats]
+    return insert(graph, fake_mode, aten.cat.default, (flats, 0), like=like), sizes
+
+
+def slices(
+    graph: fx.Graph, fake_mode, merged: fx.Node, bucket: list[Collective], sizes: list[int]
+) -> list[fx.Node]:
+    """Each member's consecutive piece of a merged collective's (flat) result."""
+    offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return [
+        insert(graph, fake_mode, aten.slice.Tensor, (merged, 0, a, b), like=c.node)
+        for c, a, b in zip(bucket, offsets, offsets[1:])
+    ]
+
+
+def hand_out(graph: fx.Graph, fake_mode, bucket: list[Collective], pieces: list[fx.Node]) -> None:
     """Give each member's users its piece of the bucket (viewed to the member's shape),
     then drop the member's own collective and wait."""
     for c, piece in zip(bucket, pieces):
