@@ -75,8 +75,15 @@ class MemoryReport:
         return "\n".join(lines)
 
     def plot(self, path: str) -> str:
-        """Save a PNG of planned device bytes over one step, per graph pair; returns ``path``."""
-        import matplotlib
+        """Save a PNG of planned device bytes over one step, per graph pair; returns ``path``.
+        Needs matplotlib (``pip install matplotlib``, or fczero's ``[bench]`` extra)."""
+        try:
+            import matplotlib
+        except ImportError as err:
+            raise ImportError(
+                "fczero.memory_report(...).plot needs matplotlib: pip install matplotlib "
+                "(the text report, str(report), needs nothing)."
+            ) from err
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
