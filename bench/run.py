@@ -110,8 +110,8 @@ def regimes(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
     return {n: REGIMES[n] for n in names}
 
 
-def relaunch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Not under torchrun: start ``--nproc`` copies of this module through torch.distributed.run."""
+def relaunch(args: argparse.Namespace, argv: list[str], module: str = "bench.run") -> int:
+    """Not under torchrun: start ``--nproc`` copies of ``module`` through torch.distributed.run."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
@@ -119,7 +119,7 @@ def relaunch(args: argparse.Namespace, argv: list[str]) -> int:
     if nproc is None:
         nproc = 2 if args.cpu or not torch.cuda.is_available() else torch.cuda.device_count()
     try:
-        torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "bench.run", *argv])
+        torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", module, *argv])
     except ChildFailedError as e:
         logger.error("a rank failed: %s", e)
         return 1

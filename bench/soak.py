@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from bench.arms import ArmContext, LossModule, adamw, build_model, train_step
 from bench.metrics import GIB, reset_memory, synchronize
-from bench.run import REGIMES, _meta, gather_json, make_batches
+from bench.run import REGIMES, _meta, gather_json, make_batches, relaunch
 from fczero.models.llama import LlamaConfig
 
 logger = logging.getLogger("fczero.bench")
@@ -90,22 +90,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.window < 1 or args.warmup < 1 or args.steps < args.warmup + args.window:
         p.error("need --warmup >= 1, --window >= 1 and --steps >= --warmup + --window")
     return args
-
-
-def relaunch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Not under torchrun: start ``--nproc`` copies of this module through torch.distributed.run."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
-
-    nproc = args.nproc
-    if nproc is None:
-        nproc = 2 if args.cpu or not torch.cuda.is_available() else torch.cuda.device_count()
-    try:
-        torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "bench.soak", *argv])
-    except ChildFailedError as e:
-        logger.error("a rank failed: %s", e)
-        return 1
-    return 0
 
 
 def _graphs_compiled() -> int:
@@ -273,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return relaunch(args, argv)
+        return relaunch(args, argv, "bench.soak")
     return worker(args)
 
 
