@@ -9,7 +9,6 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -184,11 +183,7 @@ def parallelize(
 
     setattr(model, ROOT_ATTR, options)
     guards.protect(model, params)  # ``params`` holds the replaced (old) params
-    # [Note: no eager prefetch on gloo] With several eager all-gathers in flight, gloo
-    # ranks crashed intermittently (SIGSEGV/SIGABRT, about one full test run in two, torch
-    # 2.13 CPU); the cause is not found. Until it is, gloo gathers one param at a time.
-    gloo = dist.get_backend(dp_mesh.get_group()) == "gloo"
-    window = 0 if gloo else options.bucket_bytes * options.prefetch
+    window = options.bucket_bytes * options.prefetch
     model.__dict__["_fczero_prefetch"] = eager_prefetch.EagerPrefetch(window)
     if options.check_collectives:
         consistency.enable(group_name, options.check_timeout_s)

@@ -46,6 +46,22 @@ def _async(t: torch.Tensor) -> torch.Tensor:
     return AsyncCollectiveTensor(t)
 
 
+def settle(t: torch.Tensor) -> torch.Tensor:
+    """Wait for the collective behind an eager ``AsyncCollectiveTensor`` now; return ``t``.
+
+    The result stays the same autograd-linked tensor; later ops on it do not wait again.
+    An eager gather whose result is never used (a param read only for ``.shape``, a
+    recompute that checkpointing stops early or serves from its cache) would otherwise
+    never be waited: its work stays registered for the life of the process, holding
+    the unsharded buffer, and on gloo such abandoned collectives corrupt the heap (a
+    2-rank script that drops a third of its all-gathers unwaited aborts in
+    ``malloc``). Every eager gather fczero hands to a module is settled first.
+    """
+    if isinstance(t, AsyncCollectiveTensor):
+        t.trigger_wait()
+    return t
+
+
 def all_gather(shard: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
     """Concatenate every rank's ``shard`` along dim 0 (asynchronous in eager)."""
     return _async(_c10d.all_gather_into_tensor(shard.contiguous(), group_size, group_name))

@@ -123,10 +123,8 @@ class Reducer:
         self,
         params: list[tuple[DTensor, Route, torch.Size]],
         bucket_bytes: int,
-        overlap: bool,
     ) -> None:
         self.params = params  # slot i: (sharded param, route, whole shape)
-        self.overlap = overlap  # False: wait for each all-reduce at once (gloo)
         self.buckets = _plan(params, bucket_bytes)
         self.bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
         self.late: dict[int, torch.Tensor] = {}
@@ -173,8 +171,6 @@ class Reducer:
         route = self.params[members[0]][1]
         flat = torch.cat(pieces) / route.group_size
         out = _c10d.all_reduce(flat, "sum", route.group_name)
-        if not self.overlap:
-            out = _c10d.wait_tensor(out)
         self.launched.append((b, out))
 
     def finish(self) -> None:

@@ -106,9 +106,10 @@ class ShardSpec:
             return checkpoint(
                 self._gather, _local(param), use_reentrant=False, context_fn=_recompute_everything
             )
+        # Eager: the gather is issued (earlier, if prefetched) and waited here, at hand-off.
         if prefetch.active is not None:
-            return prefetch.active.gather(self, param, _eager_gather)
-        return _eager_gather(self, param)
+            return collectives.settle(prefetch.active.gather(self, param, _eager_gather))
+        return collectives.settle(_eager_gather(self, param))
 
     def _gather(self, local: torch.Tensor) -> torch.Tensor:
         pad = self.rows_per_rank - self.local_rows

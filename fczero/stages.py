@@ -28,7 +28,6 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
@@ -176,8 +175,7 @@ def attach(
         by_param[id(sharded)] = state
         _STATES[sharded] = weakref.ref(state)
     if reducer_slots:
-        gloo = dist.get_backend(mesh.get_group()) == "gloo"
-        reducer = Reducer(reducer_slots, options.bucket_bytes, overlap=not gloo)
+        reducer = Reducer(reducer_slots, options.bucket_bytes)
         root.reducer = reducer  # REDUCERS holds it weakly
         root.reducer_key = id(reducer)
         REDUCERS[root.reducer_key] = reducer

@@ -68,3 +68,33 @@ def test_changed_order_never_computes_with_another_params_prefetch():
     """Skipping block 1 makes gather 2 ask for blocks.2 where blocks.1 was prefetched."""
     for errors in run_on_ranks(_skip_a_block, 2):
         assert max(errors) < 1e-5, errors
+
+
+class _ReadsShapes(ThreeBlocks):
+    """Reads each block's weight for its shape only (a gather nobody computes with), and
+    runs block 1 under a non-reentrant checkpoint, whose recompute stops early."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert all(block.weight.shape == (512, 512) for block in self.blocks)
+        x = torch.relu(self.blocks[0](x))
+        x = torch.utils.checkpoint.checkpoint(self.blocks[1], x, use_reentrant=False)
+        return self.head(torch.relu(self.blocks[2](x)))
+
+
+def _pending_after_steps(rank: int, world_size: int) -> list[int]:
+    torch.manual_seed(0)
+    model = fczero.parallelize(
+        _ReadsShapes(), init_device_mesh("cpu", (world_size,)), bucket_bytes=PER_BLOCK
+    )
+    pending = []
+    for _ in range(3):  # record the order, then replay it with prefetch
+        model(torch.randn(4, 512)).sum().backward()
+        pending.append(torch._C._distributed_c10d._get_work_registry_size())
+    return pending
+
+
+def test_every_eager_gather_is_waited():
+    """A gather whose result is never used must still be waited: an abandoned functional
+    collective pins its buffers for good and, on gloo, corrupts the heap."""
+    for pending in run_on_ranks(_pending_after_steps, 2):
+        assert pending == [0, 0, 0]

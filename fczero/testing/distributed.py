@@ -5,7 +5,8 @@ no state of the caller's is inherited, at the cost of importing torch in each), 
 and returns every rank's result, in rank order. A failure on any rank raises in
 the caller with that rank's traceback; a rank that does not finish within
 ``timeout_s`` is killed and reported, so a hang fails the test instead of CI. A rank
-counts by the result it wrote, not its exit code (see the note in ``_child``).
+counts by the result it wrote, not its exit code (see the note in ``_child``), and
+fails if it leaves a functional collective unwaited.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def _child(fn, rank, world_size, args, backend, workdir, timeout_s):  # pragma: 
             timeout=timedelta(seconds=timeout_s),
         )
         result = ("ok", fn(rank, world_size, *args))
+        unwaited = _unwaited_collectives()
+        if unwaited:
+            result = ("error", f"{unwaited} functional collectives were never waited")
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
         result = ("error", traceback.format_exc())
     # The result is on disk (whole, via rename) before teardown: gloo can abort the process
@@ -57,6 +61,16 @@ def _child(fn, rank, world_size, args, backend, workdir, timeout_s):  # pragma: 
         if result[0] == "ok":
             dist.barrier()  # no rank tears down while another still communicates
         dist.destroy_process_group()
+
+
+def _unwaited_collectives() -> int:
+    """Collectives issued through ``torch.ops._c10d_functional`` whose output was never
+    waited. Each one pins its buffers for the life of the process, and on gloo abandoned
+    collectives corrupt the heap, so a rank that leaves any fails its test."""
+    import torch
+
+    size = getattr(torch._C._distributed_c10d, "_get_work_registry_size", None)
+    return size() if size is not None else 0
 
 
 def run_on_ranks(
