@@ -183,7 +183,10 @@ def parallelize(
 
     setattr(model, ROOT_ATTR, options)
     guards.protect(model, params)  # ``params`` holds the replaced (old) params
-    window = options.bucket_bytes * options.prefetch
+    # Eager prefetch issues gathers from the order recorded on an earlier step, ahead of
+    # the code that uses them: a rank-dependent branch would pair unrelated collectives
+    # before the eager check at the end of forward could name it. So checking turns it off.
+    window = 0 if options.check_collectives else options.bucket_bytes * options.prefetch
     model.__dict__["_fczero_prefetch"] = eager_prefetch.EagerPrefetch(window)
     if options.check_collectives:
         consistency.enable(group_name, options.check_timeout_s)
@@ -279,7 +282,7 @@ def _root_pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     if torch.compiler.is_compiling():
         return args, kwargs
     if options.reshard_after_forward and options.stage == 3:  # stages 1/2 gather nothing
-        scope = resharding.reshard_scope()
+        scope = resharding.reshard_scope(module.__dict__["_fczero_prefetch"].window)
         scope.__enter__()
         module.__dict__["_fczero_scope"] = scope
     if eager_prefetch.active is None:  # the outermost parallelized root prefetches

@@ -25,7 +25,9 @@ its grad is all-reduced instead (``replicate_scalar``).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 _c10d = torch.ops._c10d_functional
 
@@ -39,11 +41,37 @@ def _tracing() -> bool:
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
 
 
-def _async(t: torch.Tensor) -> torch.Tensor:
-    """In eager, defer the wait to first use; in a traced graph, emit ``wait_tensor``."""
+def _async(t: torch.Tensor, group_name: str) -> torch.Tensor:
+    """In eager, defer the wait to hand-off (or, on gloo, wait now: see
+    ``one_at_a_time``); in a traced graph, emit ``wait_tensor``."""
     if _tracing():
         return _c10d.wait_tensor(t)
+    if one_at_a_time(group_name):
+        return _c10d.wait_tensor(t)
     return AsyncCollectiveTensor(t)
+
+
+_ONE_AT_A_TIME: dict[str, bool] = {}
+
+
+def one_at_a_time(group_name: str) -> bool:
+    """True when an eager collective on this group must be waited before the next is issued.
+
+    [Note: one gloo collective in flight]
+    With two ``_c10d_functional`` all-gathers in flight on a gloo group, both waited,
+    a 2-rank loop of 3,000 steps aborted in ``malloc`` ("unaligned tcache chunk") or
+    failed with a size mismatch in 2 of 8 runs and 5 of 10 (torch 2.13 CPU; keeping the
+    inputs alive did not help). Waiting for each before the next never failed. So on
+    gloo every eager collective fczero issues is waited at once. Prefetch and the
+    stage-1 reducer keep their logic (what is issued, when, and which result is used),
+    so CPU tests still exercise it, but nothing overlaps on gloo. NCCL is not affected.
+    """
+    serial = _ONE_AT_A_TIME.get(group_name)
+    if serial is None:
+        group = _resolve_process_group(group_name)
+        serial = dist.get_backend(group) == "gloo"
+        _ONE_AT_A_TIME[group_name] = serial
+    return serial
 
 
 def settle(t: torch.Tensor) -> torch.Tensor:
@@ -52,10 +80,10 @@ def settle(t: torch.Tensor) -> torch.Tensor:
     The result stays the same autograd-linked tensor; later ops on it do not wait again.
     An eager gather whose result is never used (a param read only for ``.shape``, a
     recompute that checkpointing stops early or serves from its cache) would otherwise
-    never be waited: its work stays registered for the life of the process, holding
-    the unsharded buffer, and on gloo such abandoned collectives corrupt the heap (a
-    2-rank script that drops a third of its all-gathers unwaited aborts in
-    ``malloc``). Every eager gather fczero hands to a module is settled first.
+    never be waited: its work stays registered for the life of the process, holding the
+    unsharded buffer, and stays in flight beside later collectives (see
+    [Note: one gloo collective in flight]). Every eager gather fczero hands to a module
+    is settled first.
     """
     if isinstance(t, AsyncCollectiveTensor):
         t.trigger_wait()
@@ -64,7 +92,8 @@ def settle(t: torch.Tensor) -> torch.Tensor:
 
 def all_gather(shard: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
     """Concatenate every rank's ``shard`` along dim 0 (asynchronous in eager)."""
-    return _async(_c10d.all_gather_into_tensor(shard.contiguous(), group_size, group_name))
+    out = _c10d.all_gather_into_tensor(shard.contiguous(), group_size, group_name)
+    return _async(out, group_name)
 
 
 def reduce_scatter_sum(full: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:

@@ -9,6 +9,11 @@ stream while the current module computes, and its wait happens at first use.
 
 If a forward asks for params in another order than recorded (a data-dependent
 branch), prefetching stops for that forward and the order is recorded anew.
+
+Gathers inside a selective activation-checkpointing region are never prefetched nor
+issue others: selective checkpointing records the ops a region runs in forward and
+expects the same ops when backward recomputes it, where nothing is prefetched. Such
+gathers are marked in the recorded order and run in place.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+import torch.utils.checkpoint
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 if TYPE_CHECKING:
     from fczero.sharding import ShardSpec
@@ -34,7 +41,9 @@ class EagerPrefetch:
     def __init__(self, window: int) -> None:
         self.window = window
         self.order: list[tuple[ShardSpec, torch.Tensor]] | None = None
+        self.in_place: set[int] = set()  # positions in ``order`` never prefetched
         self._seen: list[tuple[ShardSpec, torch.Tensor]] = []
+        self._seen_in_place: set[int] = set()
         self._ready: dict[int, torch.Tensor] = {}
         self._cursor = 0
         self._issued = 0
@@ -42,12 +51,16 @@ class EagerPrefetch:
 
     def start(self) -> None:
         self._seen, self._ready, self._cursor, self._issued = [], {}, 0, 0
+        self._seen_in_place = set()
         self._replaying = self.order is not None and self.window > 0
 
     def gather(self, spec: ShardSpec, param: torch.Tensor, gather: Gather) -> torch.Tensor:
         n = self._cursor
         self._cursor += 1
         self._seen.append((spec, param))
+        if _in_selective_checkpoint():
+            self._seen_in_place.add(n)
+            return gather(spec, param)  # see the module docstring
         if not self._replaying:
             return gather(spec, param)
         if n >= len(self.order) or self.order[n][1] is not param:
@@ -67,6 +80,9 @@ class EagerPrefetch:
         ahead = sum(self._bytes(i) for i in self._ready if i > n)
         j = max(self._issued, n + 1)
         while j < len(self.order):
+            if j in self.in_place:
+                j += 1
+                continue
             spec, param = self.order[j]
             size = self._bytes(j)
             if ahead and ahead + size > self.window:
@@ -83,11 +99,20 @@ class EagerPrefetch:
     def finish(self) -> None:
         """End of forward: keep the order seen; wait for (and drop) unused prefetches."""
         if self._cursor:
-            self.order = self._seen
+            self.order, self.in_place = self._seen, self._seen_in_place
         for full in self._ready.values():
             if isinstance(full, AsyncCollectiveTensor):
                 full.wait()
         self._ready, self._seen, self._replaying = {}, [], False
+        self._seen_in_place = set()
+
+
+def _in_selective_checkpoint() -> bool:
+    """True inside the forward of a selective activation-checkpointing region."""
+    caching = getattr(torch.utils.checkpoint, "_CachingTorchDispatchMode", None)
+    return caching is not None and any(
+        isinstance(mode, caching) for mode in _get_current_dispatch_mode_stack()
+    )
 
 
 active: EagerPrefetch | None = None

@@ -171,6 +171,8 @@ class Reducer:
         route = self.params[members[0]][1]
         flat = torch.cat(pieces) / route.group_size
         out = _c10d.all_reduce(flat, "sum", route.group_name)
+        if collectives.one_at_a_time(route.group_name):
+            out = _c10d.wait_tensor(out)
         self.launched.append((b, out))
 
     def finish(self) -> None:

@@ -12,8 +12,16 @@ A tensor-parallel param (``fczero.meshes``) is shown to modules as a DTensor who
 local tensor is the gathered one; autograd saves such DTensors, so ``pack`` looks at
 a DTensor's local tensor and ``unpack`` wraps the regathered view the same way.
 
-Backward walks the autograd graph in the same order on every rank, so the regathers
-are issued in the same order everywhere. Under ``torch.compile`` none of this runs:
+Backward prefetch: the params packed during forward are listed in the order they were
+first saved. When backward unpacks one of them, the regathers of the params saved
+before it (the ones backward reaches next) are issued too, up to the root's prefetch
+window in unsharded bytes (at least one), so the next all-gather runs while this
+layer's grads are computed; each is waited when it is unpacked, and any that backward
+never unpacks are waited when backward ends (a callback queued on the autograd engine).
+
+Backward walks the autograd graph in the same order on every rank, and the prefetch
+decisions use only that order and global shapes, so the regathers are issued in the
+same order everywhere. Under ``torch.compile`` none of this runs:
 the gather is tagged for recomputation instead (see ``sharding.ShardSpec.unshard``).
 """
 
@@ -28,6 +36,8 @@ import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from fczero import collectives
 
 if TYPE_CHECKING:
     from fczero.sharding import ShardSpec
@@ -62,11 +72,18 @@ class _DTensorRecipe:
 
 
 class _Scope:
-    """Unsharded params gathered during one eager forward, keyed by storage."""
+    """Unsharded params gathered during one eager forward, keyed by storage, and the
+    backward regathers of the ones saved for backward (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: int = 0) -> None:
+        self.window = window  # unsharded bytes of backward regathers issued ahead
         self.live: dict[int, _Gathered] = {}
         self.regathered: dict[int, weakref.ref[torch.Tensor]] = {}
+        self.saved: list[_Gathered] = []  # packed params, in the order first saved
+        self.position: dict[int, int] = {}  # id(_Gathered) -> index in ``saved``
+        self.ahead: dict[int, torch.Tensor] = {}  # prefetched regathers, not unpacked yet
+        self.issued: set[int] = set()  # regathered in this backward (never prefetch again)
+        self.draining = False  # a callback will wait for leftovers when backward ends
 
     def pack(self, t: torch.Tensor) -> Any:
         if isinstance(t, DTensor):
@@ -81,6 +98,9 @@ class _Scope:
         entry = self.live.get(storage._cdata)
         if entry is None or entry.storage.expired():
             return t
+        if id(entry) not in self.position:
+            self.position[id(entry)] = len(self.saved)
+            self.saved.append(entry)
         return _Recipe(entry, inner.size(), inner.stride(), inner.storage_offset())
 
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -95,13 +115,56 @@ class _Scope:
             )
         if not isinstance(packed, _Recipe):
             return packed
-        key = id(packed.gathered)
+        full = self._regathered(packed.gathered)
+        return full.as_strided(packed.size, packed.stride, packed.offset)
+
+    def _regathered(self, entry: _Gathered) -> torch.Tensor:
+        """The unsharded param again: alive from an earlier unpack, prefetched, or issued
+        now; then the regathers of the params saved before it are issued ahead."""
+        key = id(entry)
         ref = self.regathered.get(key)
         full = ref() if ref is not None else None
         if full is None:
-            full = packed.gathered.spec.gather_for_backward(packed.gathered.param)
+            full = self.ahead.pop(key, None)
+            if full is None:
+                full = self._issue(entry)
+            full = collectives.settle(full)
             self.regathered[key] = weakref.ref(full)
-        return full.as_strided(packed.size, packed.stride, packed.offset)
+        self._issue_ahead(self.position[key])
+        return full
+
+    def _issue(self, entry: _Gathered) -> torch.Tensor:
+        self.issued.add(id(entry))
+        return entry.spec.regather(entry.param)
+
+    def _issue_ahead(self, position: int) -> None:
+        """Issue the regathers of params saved before ``position``, latest first, while
+        they fit in the window beside those already in flight (at least one)."""
+        if self.window <= 0 or torch._C._current_graph_task_id() == -1:
+            return  # prefetch off, or unpacked outside backward (no end to wait at)
+        ahead = sum(self._bytes(self.saved[self.position[k]]) for k in self.ahead)
+        for entry in reversed(self.saved[:position]):
+            if id(entry) in self.issued:
+                continue
+            size = self._bytes(entry)
+            if ahead and ahead + size > self.window:
+                break
+            self.ahead[id(entry)] = self._issue(entry)
+            ahead += size
+            if not self.draining:
+                self.draining = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._drain)
+
+    @staticmethod
+    def _bytes(entry: _Gathered) -> int:
+        return entry.spec.unsharded_bytes(entry.param)
+
+    def _drain(self) -> None:
+        """End of backward: wait for the prefetched regathers nobody unpacked; a later
+        backward over the same graph (``retain_graph``) may regather everything again."""
+        for full in self.ahead.values():
+            collectives.settle(full)
+        self.ahead, self.issued, self.draining = {}, set(), False
 
 
 _active: _Scope | None = None
@@ -117,13 +180,14 @@ def register_gathered(full: torch.Tensor, spec: ShardSpec, param: torch.Tensor) 
 
 
 @contextlib.contextmanager
-def reshard_scope():
-    """Active around one eager forward of a parallelized root (nested roots join the outer)."""
+def reshard_scope(window: int = 0):
+    """Active around one eager forward of a parallelized root (nested roots join the
+    outer); ``window``: unsharded bytes of backward regathers issued ahead (0: none)."""
     global _active
     if _active is not None:
         yield
         return
-    scope = _Scope()
+    scope = _Scope(window)
     _active = scope
     try:
         with torch.autograd.graph.saved_tensors_hooks(scope.pack, scope.unpack):

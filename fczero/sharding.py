@@ -128,11 +128,11 @@ class ShardSpec:
             full = full.narrow(0, 0, self.shape[0])
         return full
 
-    def gather_for_backward(self, param: torch.Tensor) -> torch.Tensor:
-        """Eager stage 3: gather again, without autograd, for a saved-tensor unpack."""
+    def regather(self, param: torch.Tensor) -> torch.Tensor:
+        """Eager stage 3: issue the gather again, without autograd, for a saved-tensor
+        unpack (asynchronous: the caller settles it, see ``collectives.settle``)."""
         with torch.no_grad():  # the regather is not differentiated: no grad link needed
-            full = self._gather(param.to_local() if isinstance(param, DTensor) else param)
-        return full.wait() if hasattr(full, "wait") else full
+            return self._gather(param.to_local() if isinstance(param, DTensor) else param)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,31 @@ def test_second_forward_gathers_a_block_ahead(fake_pg):
     assert second.count("all_gather_into_tensor") == first.count("all_gather_into_tensor")
 
 
+def _backward_log(model: torch.nn.Module) -> list[str]:
+    loss = model(torch.randn(4, 512)).sum()
+    with CollectiveLog(matmuls=True) as log:
+        loss.backward()
+    return log.ops
+
+
+def test_backward_regathers_a_layer_ahead(fake_pg):
+    """Backward regathers head.weight, then blocks.2.weight, then blocks.1.weight (blocks.0
+    saves no weight: its input needs no grad). With prefetch, blocks.2's regather is
+    issued before the head's matmuls, and nothing is gathered twice."""
+    mesh = init_device_mesh("cpu", (2,))
+    model = fczero.parallelize(ThreeBlocks(), mesh, bucket_bytes=PER_BLOCK)
+    ops = _backward_log(model)
+    assert ops[:3] == ["all_gather_into_tensor", "all_gather_into_tensor", "mm"]
+    assert ops.count("all_gather_into_tensor") == 3
+    # the window (1.5 MiB) holds one 1 MiB regather ahead: blocks.1's waits for the next unpack
+    first_reduce = ops.index("reduce_scatter_tensor")
+    assert ops[:first_reduce].count("all_gather_into_tensor") == 2
+    off = fczero.parallelize(ThreeBlocks(), mesh, prefetch=0)
+    ops_off = _backward_log(off)
+    assert ops_off[:2] == ["all_gather_into_tensor", "mm"]
+    assert ops_off.count("all_gather_into_tensor") == 3
+
+
 def test_prefetch_off(fake_pg):
     model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), prefetch=0)
     first, second = _forward_log(model), _forward_log(model)

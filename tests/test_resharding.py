@@ -9,8 +9,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import fczero
-from fczero import resharding
+from fczero import collectives, resharding
 from fczero.testing.comm import CollectiveLog
+from fczero.testing.distributed import run_on_ranks
 from tests.models import TwoLayer
 
 
@@ -55,3 +56,15 @@ def test_unsharded_params_are_freed_after_forward(fake_pg, monkeypatch):
     assert all(r.expired() for r in refs), "an unsharded param outlived forward"
     out.sum().backward()
     assert model.fc1._parameters["weight"].grad is not None
+
+
+def _gloo_gather_state(rank: int, world_size: int) -> tuple[bool, int]:
+    group = torch.distributed.group.WORLD.group_name
+    full = collectives.all_gather(torch.ones(2, 3), world_size, group)
+    pending = torch._C._distributed_c10d._get_work_registry_size()
+    return isinstance(full, AsyncCollectiveTensor), pending
+
+
+def test_gloo_waits_for_each_eager_collective_when_issued():
+    """[Note: one gloo collective in flight]: on gloo nothing is left in flight."""
+    assert run_on_ranks(_gloo_gather_state, 2) == [(False, 0), (False, 0)]
