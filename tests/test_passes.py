@@ -396,5 +396,32 @@ def test_every_rank_issues_the_same_collectives():
         assert other == per_rank[0]
 
 
+def _gloo_schedule(rank: int, world_size: int) -> list[list[str]]:
+    torch._dynamo.reset()
+    backends.recorded.clear()
+    model = fczero.parallelize(
+        ThreeBlocks(), init_device_mesh("cpu", (world_size,)), bucket_bytes=PER_BLOCK
+    )
+    compiled = torch.compile(model, backend=backends.aot_eager_with_passes)
+    compiled(torch.randn(4, 512)).sum().backward()
+    keep = ("all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor", "addmm", "mm")
+    return [
+        [str(n.target).split(".")[1] for n in g.graph.nodes if n.op == "call_function"
+         and str(n.target).split(".")[1] in keep]
+        for g in backends.recorded
+    ]  # fmt: skip
+
+
+def test_gloo_waits_each_collective_where_it_is_issued():
+    """[Note: one gloo collective in flight]: on gloo the prefetch still issues block 1's
+    gather before block 0's matmul, and every collective is waited right after it."""
+    forward, backward = run_on_ranks(_gloo_schedule, 2)[0]
+    for ops in (forward, backward):
+        issued = [i for i, op in enumerate(ops) if op in ("all_gather_into_tensor", "reduce_scatter_tensor")]
+        assert issued and all(ops[i + 1] == "wait_tensor" for i in issued), ops
+    gathers = [i for i, op in enumerate(forward) if op == "all_gather_into_tensor"]
+    assert gathers[1] < forward.index("addmm"), forward
+
+
 if __name__ == "__main__":
     unittest.main()

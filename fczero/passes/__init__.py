@@ -7,6 +7,7 @@
 | bucket_all_reduces_pass       | all_reduce.py| one all-reduce per block (stage 1 grads, HSDP) |
 | sink_waits_pass               | schedule.py  | waits just before first use                   |
 | prefetch_all_gathers_pass     | schedule.py  | gathers issued a block ahead, under a budget  |
+| one_in_flight_pass            | schedule.py  | gloo only: each wait right after its collective |
 
 ``install.py`` hands ``run_passes`` to Inductor (``post_grad_custom_post_pass``),
 after any pass the user had set there. A graph without collectives on a process
@@ -21,7 +22,11 @@ from fczero import consistency
 from fczero.passes.all_reduce import bucket_all_reduces_pass
 from fczero.passes.bucketing import bucket_all_gathers_pass, bucket_reduce_scatters_pass
 from fczero.passes.registry import PassSettings, settings_for_graph
-from fczero.passes.schedule import prefetch_all_gathers_pass, sink_waits_pass
+from fczero.passes.schedule import (
+    one_in_flight_pass,
+    prefetch_all_gathers_pass,
+    sink_waits_pass,
+)
 
 __all__ = ["PassSettings", "run_passes"]
 
@@ -40,4 +45,4 @@ def run_passes(gm: fx.GraphModule, settings: PassSettings | None = None) -> fx.G
         gm = bucket_all_reduces_pass(gm, groups | settings.replicate_groups, settings.bucket_bytes)
     gm = sink_waits_pass(gm, groups)
     gm = prefetch_all_gathers_pass(gm, groups, settings.prefetch, settings.memory_budget)
-    return gm
+    return one_in_flight_pass(gm, groups | settings.replicate_groups)

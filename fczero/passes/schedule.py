@@ -22,6 +22,10 @@ is used:
  -> w0 = wait(ag0); ag1 = all_gather(x1); mm(a, w0); w1 = wait(ag1); mm(b, w1)
 
 Each decision reads shapes and graph order only, so it is the same on every rank.
+
+``one_in_flight_pass`` runs last, and only on gloo groups: each collective's wait moves
+up to just after it, where the collective was issued (see [Note: one gloo collective in
+flight] in ``fczero/collectives.py``). Where collectives are issued does not change.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import logging
 
 import torch.fx as fx
 
+from fczero import collectives
 from fczero.memory import live_bytes, nbytes, op_name, peak_bytes
 from fczero.passes.graph_utils import move_before, position
 from fczero.passes.matching import find_gathers, find_reduces
@@ -149,4 +154,28 @@ def prefetch_all_gathers_pass(
         len(gathers),
         refused,
     )
+    return gm
+
+
+_ISSUES = {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"}
+
+
+def one_in_flight_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphModule:
+    """On gloo groups, wait for each collective right after it is issued."""
+    serial = {g for g in groups if collectives.one_at_a_time(g)}
+    if not serial:
+        return gm
+    moved = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or op_name(node) not in _ISSUES:
+            continue
+        if node.args[-1] not in serial:  # every one of them takes its group name last
+            continue
+        waits = [u for u in node.users if op_name(u) == "wait_tensor"]
+        for wait in waits:
+            node.append(wait)
+            moved += 1
+    gm.graph.lint()
+    gm.recompile()
+    logger.info("one_in_flight_pass: %d waits moved up to their collective (gloo)", moved)
     return gm
