@@ -51,9 +51,6 @@ def _async(t: torch.Tensor, group_name: str) -> torch.Tensor:
     return AsyncCollectiveTensor(t)
 
 
-_ONE_AT_A_TIME: dict[str, bool] = {}
-
-
 def one_at_a_time(group_name: str) -> bool:
     """True when an eager collective on this group must be waited before the next is issued.
 
@@ -66,12 +63,8 @@ def one_at_a_time(group_name: str) -> bool:
     stage-1 reducer keep their logic (what is issued, when, and which result is used),
     so CPU tests still exercise it, but nothing overlaps on gloo. NCCL is not affected.
     """
-    serial = _ONE_AT_A_TIME.get(group_name)
-    if serial is None:
-        group = _resolve_process_group(group_name)
-        serial = dist.get_backend(group) == "gloo"
-        _ONE_AT_A_TIME[group_name] = serial
-    return serial
+    # Not cached by name: a name is reused when process groups are destroyed and made again.
+    return dist.get_backend(_resolve_process_group(group_name)) == "gloo"
 
 
 def settle(t: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fczero
 from fczero.testing.comm import CollectiveLog
-from fczero.testing.distributed import run_on_ranks
+from fczero.testing.distributed import pending_collectives, run_on_ranks
 from tests.models import ThreeBlocks
 
 PER_BLOCK = 3 << 19  # 1.5 MiB: one 1 MiB block of ThreeBlocks at a time
@@ -114,7 +114,7 @@ def _pending_after_steps(rank: int, world_size: int) -> list[int]:
     pending = []
     for _ in range(3):  # record the order, then replay it with prefetch
         model(torch.randn(4, 512)).sum().backward()
-        pending.append(torch._C._distributed_c10d._get_work_registry_size())
+        pending.append(pending_collectives())
     return pending
 
 

@@ -11,7 +11,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import fczero
 from fczero import collectives, resharding
 from fczero.testing.comm import CollectiveLog
-from fczero.testing.distributed import run_on_ranks
+from fczero.testing.distributed import pending_collectives, run_on_ranks
 from tests.models import TwoLayer
 
 
@@ -61,7 +61,7 @@ def test_unsharded_params_are_freed_after_forward(fake_pg, monkeypatch):
 def _gloo_gather_state(rank: int, world_size: int) -> tuple[bool, int]:
     group = torch.distributed.group.WORLD.group_name
     full = collectives.all_gather(torch.ones(2, 3), world_size, group)
-    pending = torch._C._distributed_c10d._get_work_registry_size()
+    pending = pending_collectives()
     return isinstance(full, AsyncCollectiveTensor), pending
 
 

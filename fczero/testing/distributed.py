@@ -46,7 +46,7 @@ def _child(fn, rank, world_size, args, backend, workdir, timeout_s):  # pragma: 
             timeout=timedelta(seconds=timeout_s),
         )
         result = ("ok", fn(rank, world_size, *args))
-        unwaited = _unwaited_collectives()
+        unwaited = pending_collectives()
         if unwaited:
             result = ("error", f"{unwaited} functional collectives were never waited")
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
@@ -63,7 +63,7 @@ def _child(fn, rank, world_size, args, backend, workdir, timeout_s):  # pragma: 
         dist.destroy_process_group()
 
 
-def _unwaited_collectives() -> int:
+def pending_collectives() -> int:
     """Collectives issued through ``torch.ops._c10d_functional`` whose output was never
     waited. Each one pins its buffers for the life of the process, and on gloo abandoned
     collectives corrupt the heap, so a rank that leaves any fails its test."""
