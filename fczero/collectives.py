@@ -44,9 +44,7 @@ def _tracing() -> bool:
 def _async(t: torch.Tensor, group_name: str) -> torch.Tensor:
     """In eager, defer the wait to hand-off (or, on gloo, wait now: see
     ``one_at_a_time``); in a traced graph, emit ``wait_tensor``."""
-    if _tracing():
-        return _c10d.wait_tensor(t)
-    if one_at_a_time(group_name):
+    if _tracing() or one_at_a_time(group_name):
         return _c10d.wait_tensor(t)
     return AsyncCollectiveTensor(t)
 
@@ -93,6 +91,13 @@ def reduce_scatter_sum(full: torch.Tensor, group_size: int, group_name: str) -> 
     """Sum ``full`` over ranks and keep this rank's dim-0 slice (waited)."""
     out = _c10d.reduce_scatter_tensor(full.contiguous(), "sum", group_size, group_name)
     return _c10d.wait_tensor(out)
+
+
+def all_reduce_sum_in_flight(t: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Issue the sum of ``t`` over ranks and leave it in flight for the caller to wait
+    (``wait_tensor``); on gloo it is waited here (see ``one_at_a_time``)."""
+    out = _c10d.all_reduce(t.contiguous(), "sum", group_name)
+    return _c10d.wait_tensor(out) if one_at_a_time(group_name) else out
 
 
 def all_reduce_sum(t: torch.Tensor, group_name: str) -> torch.Tensor:

@@ -5,7 +5,7 @@ are gathered (every rank runs the same code, so every rank records the same orde
 Later forwards replay it: when the n-th gather is asked for, the gathers that follow
 it are issued too, up to ``window`` bytes of unsharded params ahead; each returns an
 ``AsyncCollectiveTensor`` at once, so the all-gather runs on the communication
-stream while the current module computes, and its wait happens at first use.
+stream while the current module computes; it is waited when handed to the module.
 
 If a forward asks for params in another order than recorded (a data-dependent
 branch), prefetching stops for that forward and the order is recorded anew.
@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.utils.checkpoint
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from fczero import collectives
 
 if TYPE_CHECKING:
     from fczero.sharding import ShardSpec
@@ -34,16 +35,27 @@ logger = logging.getLogger("fczero")
 
 Gather = Callable[["ShardSpec", torch.Tensor], torch.Tensor]
 
+# One recorded gather: the param's spec, the param, and whether it ran inside a
+# selective-checkpoint region (then it is never prefetched; see the module docstring).
+Recorded = tuple["ShardSpec", torch.Tensor, bool]
+
+# The dispatch mode a selective-checkpoint region's forward runs under (torch-private).
+_SAC_FORWARD_MODE = getattr(torch.utils.checkpoint, "_CachingTorchDispatchMode", None)
+
+
+def fits(ahead: int, size: int, window: int) -> bool:
+    """Whether a gather of ``size`` bytes may be issued beside ``ahead`` bytes already in
+    flight: within ``window``, and always when nothing is in flight (one at least)."""
+    return not ahead or ahead + size <= window
+
 
 class EagerPrefetch:
     """Per-root state: the recorded gather order and one forward's prefetched gathers."""
 
     def __init__(self, window: int) -> None:
         self.window = window
-        self.order: list[tuple[ShardSpec, torch.Tensor]] | None = None
-        self.in_place: set[int] = set()  # positions in ``order`` never prefetched
-        self._seen: list[tuple[ShardSpec, torch.Tensor]] = []
-        self._seen_in_place: set[int] = set()
+        self.order: list[Recorded] | None = None
+        self._seen: list[Recorded] = []
         self._ready: dict[int, torch.Tensor] = {}
         self._cursor = 0
         self._issued = 0
@@ -51,17 +63,14 @@ class EagerPrefetch:
 
     def start(self) -> None:
         self._seen, self._ready, self._cursor, self._issued = [], {}, 0, 0
-        self._seen_in_place = set()
         self._replaying = self.order is not None and self.window > 0
 
     def gather(self, spec: ShardSpec, param: torch.Tensor, gather: Gather) -> torch.Tensor:
         n = self._cursor
         self._cursor += 1
-        self._seen.append((spec, param))
-        if _in_selective_checkpoint():
-            self._seen_in_place.add(n)
-            return gather(spec, param)  # see the module docstring
-        if not self._replaying:
+        in_place = _in_selective_checkpoint()
+        self._seen.append((spec, param, in_place))
+        if in_place or not self._replaying:
             return gather(spec, param)
         if n >= len(self.order) or self.order[n][1] is not param:
             logger.info(
@@ -80,38 +89,33 @@ class EagerPrefetch:
         ahead = sum(self._bytes(i) for i in self._ready if i > n)
         j = max(self._issued, n + 1)
         while j < len(self.order):
-            if j in self.in_place:
-                j += 1
-                continue
-            spec, param = self.order[j]
-            size = self._bytes(j)
-            if ahead and ahead + size > self.window:
-                break
-            self._ready[j] = gather(spec, param)
-            ahead += size
+            spec, param, in_place = self.order[j]
+            if not in_place:
+                size = self._bytes(j)
+                if not fits(ahead, size, self.window):
+                    break
+                self._ready[j] = gather(spec, param)
+                ahead += size
             j += 1
         self._issued = j
 
     def _bytes(self, i: int) -> int:
-        spec, param = self.order[i]
+        spec, param, _ = self.order[i]
         return spec.unsharded_bytes(param)
 
     def finish(self) -> None:
         """End of forward: keep the order seen; wait for (and drop) unused prefetches."""
         if self._cursor:
-            self.order, self.in_place = self._seen, self._seen_in_place
+            self.order = self._seen
         for full in self._ready.values():
-            if isinstance(full, AsyncCollectiveTensor):
-                full.wait()
+            collectives.settle(full)
         self._ready, self._seen, self._replaying = {}, [], False
-        self._seen_in_place = set()
 
 
 def _in_selective_checkpoint() -> bool:
     """True inside the forward of a selective activation-checkpointing region."""
-    caching = getattr(torch.utils.checkpoint, "_CachingTorchDispatchMode", None)
-    return caching is not None and any(
-        isinstance(mode, caching) for mode in _get_current_dispatch_mode_stack()
+    return _SAC_FORWARD_MODE is not None and any(
+        isinstance(mode, _SAC_FORWARD_MODE) for mode in _get_current_dispatch_mode_stack()
     )
 
 

@@ -170,10 +170,7 @@ class Reducer:
             self.grads[i] = None
         route = self.params[members[0]][1]
         flat = torch.cat(pieces) / route.group_size
-        out = _c10d.all_reduce(flat, "sum", route.group_name)
-        if collectives.one_at_a_time(route.group_name):
-            out = _c10d.wait_tensor(out)
-        self.launched.append((b, out))
+        self.launched.append((b, collectives.all_reduce_sum_in_flight(flat, route.group_name)))
 
     def finish(self) -> None:
         """End of backward: reduce the open buckets in order, write every sharded grad."""

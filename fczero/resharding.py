@@ -37,7 +37,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fczero import collectives
+from fczero import collectives, prefetch
 
 if TYPE_CHECKING:
     from fczero.sharding import ShardSpec
@@ -81,7 +81,8 @@ class _Scope:
         self.regathered: dict[int, weakref.ref[torch.Tensor]] = {}
         self.saved: list[_Gathered] = []  # packed params, in the order first saved
         self.position: dict[int, int] = {}  # id(_Gathered) -> index in ``saved``
-        self.ahead: dict[int, torch.Tensor] = {}  # prefetched regathers, not unpacked yet
+        # prefetched regathers not unpacked yet: id(_Gathered) -> (that entry, its gather)
+        self.ahead: dict[int, tuple[_Gathered, torch.Tensor]] = {}
         self.issued: set[int] = set()  # regathered in this backward (never prefetch again)
         self.draining = False  # a callback will wait for leftovers when backward ends
 
@@ -125,10 +126,8 @@ class _Scope:
         ref = self.regathered.get(key)
         full = ref() if ref is not None else None
         if full is None:
-            full = self.ahead.pop(key, None)
-            if full is None:
-                full = self._issue(entry)
-            full = collectives.settle(full)
+            prefetched = self.ahead.pop(key, None)
+            full = collectives.settle(prefetched[1] if prefetched else self._issue(entry))
             self.regathered[key] = weakref.ref(full)
         self._issue_ahead(self.position[key])
         return full
@@ -142,14 +141,15 @@ class _Scope:
         they fit in the window beside those already in flight (at least one)."""
         if self.window <= 0 or torch._C._current_graph_task_id() == -1:
             return  # prefetch off, or unpacked outside backward (no end to wait at)
-        ahead = sum(self._bytes(self.saved[self.position[k]]) for k in self.ahead)
-        for entry in reversed(self.saved[:position]):
+        ahead = sum(self._bytes(e) for e, _ in self.ahead.values())
+        for i in range(position - 1, -1, -1):  # no slice: this runs at every unpack
+            entry = self.saved[i]
             if id(entry) in self.issued:
                 continue
             size = self._bytes(entry)
-            if ahead and ahead + size > self.window:
+            if not prefetch.fits(ahead, size, self.window):
                 break
-            self.ahead[id(entry)] = self._issue(entry)
+            self.ahead[id(entry)] = (entry, self._issue(entry))
             ahead += size
             if not self.draining:
                 self.draining = True
@@ -162,7 +162,7 @@ class _Scope:
     def _drain(self) -> None:
         """End of backward: wait for the prefetched regathers nobody unpacked; a later
         backward over the same graph (``retain_graph``) may regather everything again."""
-        for full in self.ahead.values():
+        for _, full in self.ahead.values():
             collectives.settle(full)
         self.ahead, self.issued, self.draining = {}, set(), False
 

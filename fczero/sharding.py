@@ -108,8 +108,10 @@ class ShardSpec:
             )
         # Eager: the gather is issued (earlier, if prefetched) and waited here, at hand-off.
         if prefetch.active is not None:
-            return collectives.settle(prefetch.active.gather(self, param, _eager_gather))
-        return collectives.settle(_eager_gather(self, param))
+            full = prefetch.active.gather(self, param, _eager_gather)
+        else:
+            full = _eager_gather(self, param)
+        return collectives.settle(full)
 
     def _gather(self, local: torch.Tensor) -> torch.Tensor:
         pad = self.rows_per_rank - self.local_rows
