@@ -3,7 +3,7 @@
 # suite under that machine's torch (2.11 there, 2.13 in CI), with results in $OUT.
 #
 #   bash bench/gpu_checks.sh                 # GPU tests only
-#   CPU_SUITE=1 bash bench/gpu_checks.sh     # and the CPU suite (pytest-xdist, 8 workers)
+#   CPU_SUITE=1 bash bench/gpu_checks.sh     # and the CPU suite (pytest-xdist, WORKERS=8 workers)
 #
 # The machine has no package registry: test-only packages come as wheels carried in .whl/
 # (expecttest at the top, transformers and pytest-xdist with their needs in .whl/hf/), installed
@@ -16,6 +16,8 @@ OUT="${OUT:-out/checks}"
 CPU_SUITE="${CPU_SUITE:-0}"
 GPU_TIMEOUT="${GPU_TIMEOUT:-300}"
 CPU_TIMEOUT="${CPU_TIMEOUT:-420}"
+WORKERS="${WORKERS:-8}"
+GPU_TESTS="${GPU_TESTS:-tests}"  # a subset of test files, to rerun a few
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -42,13 +44,13 @@ export PYTHONPATH="$PWD:/tmp/testsite:${PYTHONPATH:-}"
 } 2>&1 | tee -a "$OUT/env.txt"
 
 status=0
-timeout "$GPU_TIMEOUT" python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 \
+timeout "$GPU_TIMEOUT" python3 -m pytest -v -rA --durations=0 -m gpu -p no:cacheprovider $GPU_TESTS 2>&1 \
     | tee "$OUT/gpu_tests.txt" | tail -25
 [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
 
 if [ "$CPU_SUITE" = 1 ]; then
-    timeout "$CPU_TIMEOUT" python3 -m pytest -q -m "not gpu" -n 8 -p no:cacheprovider tests 2>&1 \
-        | tee "$OUT/cpu_suite.txt" | tail -40
+    timeout "$CPU_TIMEOUT" python3 -m pytest -v -m "not gpu" -n "$WORKERS" -p no:cacheprovider -p no:benchmark tests 2>&1 \
+        | tee "$OUT/cpu_suite.txt" | grep -E "FAILED|ERROR|passed|failed" | tail -40
     [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
 fi
 exit $status

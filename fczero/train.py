@@ -96,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="model seed; rank r samples data with seed + r (%(default)s)",
     )
     run.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="cuda: NCCL, one GPU per process; cpu: gloo; auto: cuda when a GPU is "
+        "visible (%(default)s)",
+    )
+    run.add_argument(
         "--nproc",
         type=int,
         default=None,
@@ -176,8 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU is visible here; use --device cpu")
     if args.nproc is None:
-        args.nproc = torch.cuda.device_count() if torch.cuda.is_available() else 2
+        args.nproc = torch.cuda.device_count() if args.device == "cuda" else 2
     for name in (
         "steps",
         "batch_size",
@@ -191,8 +202,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if torch.cuda.is_available() and args.nproc > torch.cuda.device_count():
-        parser.error(f"--nproc {args.nproc} is more than the {torch.cuda.device_count()} GPUs")
+    if args.device == "cuda" and args.nproc > torch.cuda.device_count():
+        parser.error(
+            f"--nproc {args.nproc} is more than the {torch.cuda.device_count()} GPUs "
+            "(NCCL takes one GPU per process); lower --nproc, or train on --device cpu"
+        )
     if args.dim % args.heads:
         parser.error(f"--dim {args.dim} must be divisible by --heads {args.heads}")
     if args.save_every < 0:
@@ -247,11 +261,11 @@ def _launch(nproc: int, argv: list[str]) -> int:
     return 0
 
 
-def _init_distributed(replicate: int = 1) -> tuple[DeviceMesh, torch.device]:
-    """NCCL on this local rank's GPU when there is one, else gloo on the CPU. With
+def _init_distributed(device_type: str, replicate: int = 1) -> tuple[DeviceMesh, torch.device]:
+    """NCCL on this local rank's GPU (``device_type`` "cuda"), else gloo on the CPU. With
     ``replicate`` > 1 the mesh is (replicate, shard): consecutive ranks (a node) shard."""
     world_size = int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available():
+    if device_type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
@@ -357,7 +371,7 @@ def train(args: argparse.Namespace) -> Summary:
     the GIL released, which lets the worker thread finish before shutdown begins.
     """
     start = time.perf_counter()
-    mesh, device = _init_distributed(args.replicate)
+    mesh, device = _init_distributed(args.device, args.replicate)
     try:
         summary = _train_loop(args, mesh, device, start)
         _drain_collectives()

@@ -1,4 +1,5 @@
-"""The parity tests under NCCL on two CUDA GPUs (skipped without them).
+"""The parity tests under NCCL on two CUDA GPUs (one rank on a machine with one GPU; skipped
+without CUDA).
 
 The reference trains on ``cuda:0`` in this process. fp32 tolerance here is rtol 1e-4 /
 atol 1e-5: cuBLAS picks its kernels by shape, and each rank multiplies half the
@@ -11,13 +12,15 @@ import pytest
 import torch
 
 from fczero.testing import parity
-from fczero.testing.distributed import run_on_ranks
+from fczero.testing.distributed import gpu_world_size, run_on_ranks
 from tests.test_numerics import BF16, Case, run_cases
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
+
+GPU_RANKS = gpu_world_size()
 
 GPU_FP32 = {"rtol": 1e-4, "atol": 1e-5}
 
@@ -36,7 +39,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def nccl_traces() -> dict[str, parity.Trace]:
-    per_rank = run_on_ranks(run_cases, 2, CASES, "cuda", backend="nccl")
+    per_rank = run_on_ranks(run_cases, GPU_RANKS, CASES, "cuda", backend="nccl")
     return {c.id: t for c, t in zip(CASES, per_rank[0])}
 
 

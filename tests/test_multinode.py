@@ -44,6 +44,8 @@ def _launcher(port: int, json_path: Path, *train_args: str) -> subprocess.Popen:
         f"fczero-test-{port}",
         "-m",
         "fczero.train",
+        "--device",
+        "cpu",
         "--json",
         str(json_path),
         *train_args,
@@ -83,6 +85,6 @@ def test_replicate_must_divide_the_process_count(capsys, monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(SystemExit) as excinfo:
-        train.main(["--nproc", "2", "--replicate", "3"])
+        train.main(["--device", "cpu", "--nproc", "2", "--replicate", "3"])
     assert excinfo.value.code == 2
     assert "--replicate 3 must divide the number of processes (2)" in capsys.readouterr().err

@@ -16,6 +16,8 @@ from fczero import train
 from fczero.data import VOCAB_SIZE, WindowSampler, decode, encode, load_corpus
 from fczero.models import Llama
 
+CPU = ("--device", "cpu", "--nproc", "2")  # gloo on 2 processes, also on a GPU machine
+
 
 def _run_main_job(
     *args: str, tmp_path: Path, timeout: int = 180
@@ -23,7 +25,7 @@ def _run_main_job(
     summary_path = tmp_path / "summary.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(
-        [sys.executable, "-m", "fczero.train", "--nproc", "2", "--json", str(summary_path), *args],
+        [sys.executable, "-m", "fczero.train", *CPU, "--json", str(summary_path), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -59,6 +61,14 @@ def test_cli_rejects_bad_flags_before_launching(capsys):
         train.main(["--dim", "130", "--heads", "4"])
     assert excinfo.value.code == 2
     assert "divisible" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cli_cuda_without_a_gpu_says_to_use_cpu(capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        train.main(["--device", "cuda"])
+    assert excinfo.value.code == 2
+    assert "no CUDA GPU is visible here; use --device cpu" in capsys.readouterr().err
 
 
 def test_lr_schedule_warms_up_then_decays():
@@ -118,7 +128,7 @@ TINY = ("--dim", "32", "--layers", "1", "--heads", "2", "--seq-len", "16", "--ba
 def _launch(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     return subprocess.run(
-        [sys.executable, "-m", "fczero.train", "--nproc", "2", *TINY, *args],
+        [sys.executable, "-m", "fczero.train", *CPU, *TINY, *args],
         capture_output=True,
         text=True,
         timeout=timeout,

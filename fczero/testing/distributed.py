@@ -73,6 +73,15 @@ def pending_collectives() -> int:
     return size() if size is not None else 0
 
 
+def gpu_world_size(wanted: int = 2) -> int:
+    """Ranks for a NCCL test: ``wanted``, or fewer on a machine with fewer GPUs (NCCL takes
+    one GPU per rank). On one GPU the collectives have a single member, yet the compiled
+    CUDA graphs, the custom ops and the numerics against the reference still run."""
+    import torch
+
+    return min(wanted, torch.cuda.device_count())
+
+
 def run_on_ranks(
     fn: Callable[..., Any],
     world_size: int,
