@@ -77,6 +77,9 @@ class ParamState:
         self.whole: torch.Tensor | None = None  # stages 1/2 (not 0-d): the kept whole copy
         self.acc: torch.Tensor | None = None  # leaf whose .grad accumulates while unsynced
         self.route: Route | None = None
+        # a kept param's gather, reused by the micro-batches of one accumulation (eager):
+        # (version of the local shard when gathered, the whole param)
+        self.reused: tuple[int, torch.Tensor] | None = None
 
     def unshard(self, param: torch.Tensor) -> torch.Tensor:
         """The unsharded param a module computes with (called on every access)."""
@@ -88,6 +91,7 @@ class ParamState:
             # The first synced use after accumulating: its backward adds what no_sync summed.
             pending, self.acc = self.acc.grad, None
         if self.whole is None and not accumulating and pending is None:
+            self.reused = None
             return spec.unshard(param)
         if self.whole is not None:
             if not grad_path:
@@ -95,6 +99,8 @@ class ParamState:
             whole = self.whole
         else:
             whole = self._gather_without_grad(param)
+            if pending is not None:
+                self.reused = None  # the accumulation's last micro-batch: the step follows
         route = self.route
         eager_stage1 = root.reducer is not None and route.index >= 0
         if eager_stage1 and not accumulating and not collectives._tracing():
@@ -112,6 +118,15 @@ class ParamState:
             return checkpoint(
                 spec._gather, local, use_reentrant=False, context_fn=_recompute_everything
             )
+        if spec.keep_unsharded:
+            # Selective unsharding: one gather serves every micro-batch until the shard
+            # changes (the optimizer step bumps its version) or the accumulation ends.
+            version = local._version
+            if self.reused is not None and self.reused[0] == version:
+                return self.reused[1]
+            full = spec._gather(local)
+            self.reused = (version, full)
+            return full
         full = spec._gather(local)
         resharding.register_gathered(full, spec, param)  # saved views regather in backward
         return full

@@ -18,6 +18,11 @@ every rank, so every rank keeps the same params and issues the same collectives.
 A kept param is gathered in forward as with ``reshard_after_forward=False``: under
 ``torch.compile`` its gather is not tagged for recomputation, so AOT autograd saves the
 gathered param for backward; in eager mode the reshard scope leaves it out.
+
+While gradients accumulate (``fczero.no_sync``), a kept param is gathered once per
+accumulation in eager mode: the micro-batches after the first reuse that gather, until
+the synced micro-batch (``fczero.stages.ParamState.reused``). Compiled graphs gather it
+in each micro-batch's forward, as before.
 """
 
 from __future__ import annotations

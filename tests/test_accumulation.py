@@ -40,16 +40,20 @@ def train_accumulating(
     k: int,
     api: str,
     device_type: str = "cpu",
+    **options,
 ) -> tuple[parity.Trace, list[int]]:
     """One rank: every batch as K micro-batches, reduce on the last. ``api`` picks how sync
     is turned off: "context" (fczero.no_sync around forward and backward), "flag"
     (set_requires_gradient_sync) or "late" (only the forwards inside no_sync; their
     backwards run after the block). Returns the trace and the compiled-frame count
-    after each step (constant after the first step: no recompiles)."""
+    after each step (constant after the first step: no recompiles). ``options`` go to
+    ``fczero.parallelize``."""
     build, batches, criterion = _setup(model_name)
     torch.manual_seed(0)
     model = build()
-    fczero.parallelize(model, init_device_mesh(device_type, (world_size,)), stage=stage)
+    fczero.parallelize(
+        model, init_device_mesh(device_type, (world_size,)), stage=stage, **options
+    )
     device = next(model.parameters()).device
     counter = None
     step_fn = model

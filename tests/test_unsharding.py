@@ -15,6 +15,8 @@ from fczero.testing.distributed import run_on_ranks
 from fczero.testing.graphs import collective_sequence, saved_unsharded
 from fczero.unsharding import block_of
 from tests.models import ThreeBlocks, block_batches
+from tests.test_accumulation import _setup as accumulation_setup
+from tests.test_accumulation import train_accumulating
 
 BLOCK = (512 * 512 + 512) * 4  # one ThreeBlocks block (weight + bias), fp32
 HEAD = 512 * 8 * 4
@@ -79,7 +81,7 @@ def test_modules_outside_containers_are_units_of_their_own(fake_pg):
 
 def test_no_selective_unsharding_without_resharding(fake_pg):
     model = fczero.parallelize(
-        ThreeBlocks(), init_device_mesh("cpu", (2,)), reshard_after_forward=False, unsharded_budget=10**9
+        ThreeBlocks(), init_device_mesh("cpu", (2,)), reshard_after_forward=False, unsharded_budget=0
     )
     assert _kept(model) == []  # everything is kept anyway
 
@@ -142,3 +144,48 @@ def test_numerics_match_the_reference_eager_and_compiled():
     expected = parity.train_reference(ThreeBlocks, block_batches(steps=3), parity.mse)
     parity.assert_close(eager, expected, rtol=1e-5, atol=1e-6)
     parity.assert_close(compiled, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_eager_accumulation_gathers_kept_params_once(fake_pg):
+    """K micro-batches: the kept blocks (blocks.2 and the head) are gathered by the first
+    micro-batch's forward only; the others in every forward (and again in backward)."""
+    model = fczero.parallelize(
+        ThreeBlocks(), init_device_mesh("cpu", (2,)), unsharded_budget=HEAD + BLOCK
+    )
+    x = torch.randn(4, 512, requires_grad=True)
+    forwards = []
+    with fczero.no_sync(model):
+        for _ in range(2):
+            with CollectiveLog() as fwd:
+                loss = model(x).sum()
+            loss.backward()
+            forwards.append(fwd.count("all_gather_into_tensor"))
+    with CollectiveLog() as fwd:
+        loss = model(x).sum()
+    forwards.append(fwd.count("all_gather_into_tensor"))
+    with CollectiveLog() as bwd:
+        loss.backward()
+    assert forwards == [7, 4, 4]  # 7 params; the 3 kept ones gathered once
+    assert bwd.count("all_gather_into_tensor") == 2  # blocks.0, blocks.1 weights
+    assert bwd.count("reduce_scatter_tensor") == 7
+    # the step changes the shards: the next accumulation gathers the kept params again
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    with fczero.no_sync(model), CollectiveLog() as fwd:
+        model(x).sum().backward()
+    assert fwd.count("all_gather_into_tensor") == 7 + 2  # forward, then backward regathers
+
+
+def _accumulate(rank: int, world_size: int) -> parity.Trace:
+    return train_accumulating(
+        rank, world_size, "llama", 3, None, 2, "context", unsharded_budget=10**9
+    )[0]
+
+
+def test_eager_accumulation_with_kept_params_matches_one_large_batch():
+    """Every param kept, 2 micro-batches a step, 3 steps: the reused gathers must follow
+    the optimizer's updates."""
+    trace = run_on_ranks(_accumulate, 2)[0]
+    expected = parity.train_reference(*accumulation_setup("llama"))
+    parity.assert_close(trace, expected, rtol=1e-5, atol=1e-6)
