@@ -244,8 +244,10 @@ def _launch(nproc: int, argv: list[str]) -> int:
 
     if "OMP_NUM_THREADS" not in os.environ:  # else torchrun sets 1 and warns
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    # --standalone: a rendezvous on a free local port, so two jobs on one machine (or a
+    # test run in parallel) never meet on torchrun's fixed default port 29500
     launch_args = get_args_parser().parse_args(
-        ["--nproc-per-node", str(nproc), "--module", "fczero.train"]
+        ["--standalone", "--nproc-per-node", str(nproc), "--module", "fczero.train"]
     )
     launch_args.training_script_args = list(argv)  # not parsed by torchrun: --nproc is ambiguous
     try:

@@ -256,3 +256,18 @@ def test_window_sampler_skip_continues_the_stream():
     assert torch.equal(resumed.next_batch(), batches[4])
     with pytest.raises(ValueError, match=">= 0"):
         resumed.skip(-1)
+
+
+def test_relaunch_uses_a_free_rendezvous_port(monkeypatch):
+    """Two main jobs on one machine must not meet on torchrun's default port 29500, which a
+    single-node launch without --standalone binds in torchrun versions older than
+    pytorch/pytorch#175699 (2026)."""
+    import torch.distributed.run as torchrun
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    seen = []
+    monkeypatch.setattr(torchrun, "run", lambda args: seen.append(args))
+    assert train._launch(2, ["--steps", "1"]) == 0
+    (args,) = seen
+    assert args.standalone and args.nproc_per_node == "2" and args.module
+    assert args.training_script == "fczero.train" and args.training_script_args == ["--steps", "1"]
