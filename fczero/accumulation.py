@@ -11,10 +11,10 @@ may run after the ``with`` block). While sync is off, each param's whole grad (i
 ``reduce_dtype``) goes to an accumulator leaf instead of being reduced; the first
 synced forward takes that sum and its backward adds it before the reduce, once per
 param, then the sum is freed. Stage 3 still all-gathers every param in each forward
-(and in backward, to recompute); only the reduce is skipped. The exception, in eager
-mode, is a param kept by selective unsharding (``unsharded_budget``): its first gather
-of an accumulation serves every micro-batch up to the synced one, and is dropped there
-(``ParamState.reused``; also dropped when the shard changes in between).
+(and in backward, to recompute); only the reduce is skipped. The exception is a param
+kept by selective unsharding (``unsharded_budget``): its first gather of an accumulation
+serves every micro-batch up to the synced one, and is dropped there
+(``ParamState.reused``; eager mode also gathers again if the shard changed in between).
 
 Misuse raises before anything changes: toggling inside a forward, and
 ``optimizer.step()`` while accumulated grads were never reduced.

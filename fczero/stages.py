@@ -77,9 +77,10 @@ class ParamState:
         self.whole: torch.Tensor | None = None  # stages 1/2 (not 0-d): the kept whole copy
         self.acc: torch.Tensor | None = None  # leaf whose .grad accumulates while unsynced
         self.route: Route | None = None
-        # a kept param's gather, reused by the micro-batches of one accumulation (eager):
-        # (version of the local shard when gathered, the whole param)
-        self.reused: tuple[int, torch.Tensor] | None = None
+        # a kept param's gather, reused by the micro-batches of one accumulation, and the
+        # version of the local shard it was gathered from (-1: gathered in a compiled graph)
+        self.reused: torch.Tensor | None = None
+        self.reused_version = -1
 
     def unshard(self, param: torch.Tensor) -> torch.Tensor:
         """The unsharded param a module computes with (called on every access)."""
@@ -91,7 +92,8 @@ class ParamState:
             # The first synced use after accumulating: its backward adds what no_sync summed.
             pending, self.acc = self.acc.grad, None
         if self.whole is None and not accumulating and pending is None:
-            self.reused = None
+            if self.reused is not None:
+                self.reused = None
             return spec.unshard(param)
         if self.whole is not None:
             if not grad_path:
@@ -114,21 +116,30 @@ class ParamState:
         local = _local(param).detach()
         if spec.is_scalar:
             return collectives._to(local, spec.options.param_dtype)
+        if spec.keep_unsharded:
+            return self._reuse_or_gather(local, param)
         if torch.compiler.is_compiling():
             return checkpoint(
                 spec._gather, local, use_reentrant=False, context_fn=_recompute_everything
             )
-        if spec.keep_unsharded:
-            # Selective unsharding: one gather serves every micro-batch until the shard
-            # changes (the optimizer step bumps its version) or the accumulation ends.
-            version = local._version
-            if self.reused is not None and self.reused[0] == version:
-                return self.reused[1]
-            full = spec._gather(local)
-            self.reused = (version, full)
-            return full
         full = spec._gather(local)
         resharding.register_gathered(full, spec, param)  # saved views regather in backward
+        return full
+
+    def _reuse_or_gather(self, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """Selective unsharding while accumulating: the first micro-batch's gather serves
+        every later one, up to the synced micro-batch, which drops it. Eager also gathers
+        again when the sharded param changed in between (its version counter moved: the
+        DTensor's own, since in-place ops on a DTensor leave its local tensor's counter
+        alone); a compiled graph cannot read the counter and relies on the drop alone.
+        Under compile the first micro-batch's graph returns the gather (stored here) and
+        the later ones take it as an input."""
+        compiling = torch.compiler.is_compiling()
+        version = -1 if compiling else param._version
+        if self.reused is not None and (compiling or self.reused_version == version):
+            return self.reused
+        full = self.spec._gather(local)
+        self.reused, self.reused_version = full, version
         return full
 
     def new_accumulator(self) -> None:

@@ -20,9 +20,8 @@ A kept param is gathered in forward as with ``reshard_after_forward=False``: und
 gathered param for backward; in eager mode the reshard scope leaves it out.
 
 While gradients accumulate (``fczero.no_sync``), a kept param is gathered once per
-accumulation in eager mode: the micro-batches after the first reuse that gather, until
-the synced micro-batch (``fczero.stages.ParamState.reused``). Compiled graphs gather it
-in each micro-batch's forward, as before.
+accumulation, eager and compiled: the micro-batches after the first reuse that gather,
+up to the synced micro-batch (``fczero.stages.ParamState.reused``).
 """
 
 from __future__ import annotations

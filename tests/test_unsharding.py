@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.testing import AotEagerAndRecordGraphs
+from torch._dynamo.testing import AotEagerAndRecordGraphs, CompileCounterWithBackend
 from torch.distributed.device_mesh import init_device_mesh
 
 import fczero
@@ -168,24 +168,64 @@ def test_eager_accumulation_gathers_kept_params_once(fake_pg):
     assert forwards == [7, 4, 4]  # 7 params; the 3 kept ones gathered once
     assert bwd.count("all_gather_into_tensor") == 2  # blocks.0, blocks.1 weights
     assert bwd.count("reduce_scatter_tensor") == 7
-    # the step changes the shards: the next accumulation gathers the kept params again
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
-    with fczero.no_sync(model), CollectiveLog() as fwd:
-        model(x).sum().backward()
-    assert fwd.count("all_gather_into_tensor") == 7 + 2  # forward, then backward regathers
+    # a new accumulation gathers the kept params again, and so does a micro-batch after
+    # the shards changed in place within one
+    with fczero.no_sync(model):
+        with CollectiveLog() as first:
+            model(x).sum().backward()
+        with torch.no_grad():
+            model.head._parameters["weight"].add_(1.0)  # the sharded param, in place
+        with CollectiveLog() as changed:
+            model(x).sum().backward()
+    assert first.count("all_gather_into_tensor") == 7 + 2  # forward, then backward regathers
+    assert changed.count("all_gather_into_tensor") == 4 + 1 + 2  # and the head again
 
 
-def _accumulate(rank: int, world_size: int) -> parity.Trace:
-    return train_accumulating(
-        rank, world_size, "llama", 3, None, 2, "context", unsharded_budget=10**9
-    )[0]
+def test_compiled_accumulation_gathers_kept_params_once(fake_pg):
+    """Compiled, 3 micro-batches with sync off and a synced one: three graphs (the first
+    micro-batch's gathers every param and hands the kept ones back; the later ones take
+    them as inputs), none compiled again in the next step."""
+    model = fczero.parallelize(
+        ThreeBlocks(),
+        init_device_mesh("cpu", (2,)),
+        unsharded_budget=HEAD + BLOCK,
+        compile_passes=False,
+    )
+    backend = AotEagerAndRecordGraphs()
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter)
+    x = torch.randn(4, 512, requires_grad=True)
+    frames = []
+    for _ in range(2):
+        with fczero.no_sync(model):
+            for _ in range(3):
+                compiled(x).sum().backward()
+        compiled(x).sum().backward()
+        frames.append(counter.frame_count)
+    assert frames == [3, 3]
+    gathers = [
+        [op for op in collective_sequence(g) if op.startswith("all_gather")]
+        for g in backend.fw_graphs
+    ]
+    block = ["all_gather_into_tensor[512, 512]", "all_gather_into_tensor[512]"]
+    not_kept = block * 2  # blocks.0 and blocks.1
+    first = not_kept + block + ["all_gather_into_tensor[8, 512]"]  # and blocks.2, head
+    assert gathers == [first, not_kept, not_kept]
 
 
-def test_eager_accumulation_with_kept_params_matches_one_large_batch():
-    """Every param kept, 2 micro-batches a step, 3 steps: the reused gathers must follow
-    the optimizer's updates."""
-    trace = run_on_ranks(_accumulate, 2)[0]
+def _accumulate(rank: int, world_size: int) -> list[parity.Trace]:
+    return [
+        train_accumulating(
+            rank, world_size, "llama", 3, backend, 2, "context", unsharded_budget=10**9
+        )[0]
+        for backend in (None, "aot_eager")
+    ]
+
+
+def test_accumulation_with_kept_params_matches_one_large_batch():
+    """Every param kept, 2 micro-batches a step, 3 steps, eager and compiled: the reused
+    gathers must follow the optimizer's updates."""
+    eager, compiled = run_on_ranks(_accumulate, 2)[0]
     expected = parity.train_reference(*accumulation_setup("llama"))
-    parity.assert_close(trace, expected, rtol=1e-5, atol=1e-6)
+    parity.assert_close(eager, expected, rtol=1e-5, atol=1e-6)
+    parity.assert_close(compiled, expected, rtol=1e-5, atol=1e-6)
