@@ -14,7 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from fczero import consistency, guards, meta_init, resharding, stages, unsharding
+from fczero import consistency, guards, resharding, stages, unsharding
+from fczero import meta_init as meta_device_init
 from fczero import prefetch as eager_prefetch
 from fczero.config import ShardingOptions
 from fczero.meshes import MeshLayout, resolve_mesh
@@ -54,6 +55,7 @@ def parallelize(
     check_collectives: bool = False,
     check_timeout_s: float = 300.0,
     init_fn: Callable[[nn.Module], None] | None = None,
+    meta_init: str = "module",
     **unknown: object,
 ) -> nn.Module:
     """Shard every parameter of ``model`` over ``mesh`` (ZeRO stage 3 by default), in place.
@@ -85,6 +87,11 @@ def parallelize(
             module at a time, whole on the mesh's device, children before parents (as
             ``model.apply`` would), then the module's params are sharded. ``None``: each
             such module's ``reset_parameters()``. See ``fczero/meta_init.py``.
+        meta_init: how a meta-device model is initialized: ``"module"`` (the default; one
+            module whole at a time, exactly the values of a whole-model init) or
+            ``"shard"`` (each rank allocates and initializes only its shards, so no whole
+            param ever exists; random values then differ from a whole init as
+            ``fczero/meta_init.py`` says).
 
     Returns:
         ``model`` itself, parallelized.
@@ -130,7 +137,7 @@ def parallelize(
             group_name, dp_mesh.size(), options, params, options.check_timeout_s
         )
 
-    meta_plan = meta_init.plan(model, init_fn)
+    meta_plan = meta_device_init.plan(model, init_fn, meta_init)
     if meta_plan is not None and (
         options.stage != 3
         or layout.replicate_axis is not None
@@ -144,7 +151,7 @@ def parallelize(
 
     specs_by_param: dict[int, tuple[nn.Parameter, ShardSpec]] = {}
     if meta_plan is not None:
-        specs_by_param = meta_init.init_and_shard(meta_plan, dp_mesh, options)
+        specs_by_param = meta_device_init.init_and_shard(meta_plan, dp_mesh, options)
     originals: dict[int, nn.Parameter] = {}
     first_owner: list[tuple[str, torch.Tensor, ShardSpec]] = []
     for path, _, _, param in owners:

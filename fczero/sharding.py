@@ -187,33 +187,81 @@ def shard_tensor(
     on a larger mesh (HSDP, tensor parallelism); a tensor-parallel DTensor is split
     from its local tensor, which every rank of the shard axis holds the same.
     """
-    group = mesh.get_group()
-    world, rank = mesh.size(), mesh.get_local_rank()
     whole_shape, whole_stride = tensor.shape, tensor.stride()
     if isinstance(tensor, DTensor):
         tensor = tensor.to_local()
     tensor = tensor.detach().to(mesh_device(mesh))
-    if tensor.dim() == 0:
-        local, placement, rows, local_rows = tensor.clone(), Replicate(), 0, 0
-    else:
-        rows = math.ceil(tensor.shape[0] / world)
-        start = min(rank * rows, tensor.shape[0])
-        local_rows = min(rows, tensor.shape[0] - start)
-        local, placement = tensor.narrow(0, start, local_rows).clone(), Shard(0)
+    rows, start, local_rows = _rows_of(tensor.shape, mesh)
+    local = tensor.clone() if tensor.dim() == 0 else tensor.narrow(0, start, local_rows).clone()
+    return _sharded_param(
+        local,
+        tensor.shape,
+        whole_shape,
+        whole_stride,
+        rows,
+        local_rows,
+        mesh,
+        options,
+        requires_grad,
+        layout,
+    )
+
+
+def empty_shard(
+    shape: torch.Size,
+    dtype: torch.dtype,
+    mesh: DeviceMesh,
+    options: ShardingOptions,
+    requires_grad: bool,
+) -> tuple[nn.Parameter, ShardSpec]:
+    """This rank's sharded param of a ``shape`` tensor, uninitialized, allocated at its
+    shard's size only (the whole tensor never exists); laid out as ``shard_tensor`` does."""
+    rows, _, local_rows = _rows_of(shape, mesh)
+    local_shape = shape if len(shape) == 0 else (local_rows, *shape[1:])
+    local = torch.empty(local_shape, dtype=dtype, device=mesh_device(mesh))
+    stride = torch.empty(shape, device="meta").stride()
+    return _sharded_param(
+        local, shape, shape, stride, rows, local_rows, mesh, options, requires_grad, None
+    )
+
+
+def _rows_of(shape: torch.Size, mesh: DeviceMesh) -> tuple[int, int, int]:
+    """(rows per rank c, this rank's first row, rows it holds) of dim 0; zeros for 0-d."""
+    if len(shape) == 0:
+        return 0, 0, 0
+    rows = math.ceil(shape[0] / mesh.size())
+    start = min(mesh.get_local_rank() * rows, shape[0])
+    return rows, start, min(rows, shape[0] - start)
+
+
+def _sharded_param(
+    local: torch.Tensor,
+    shape: torch.Size,
+    whole_shape: torch.Size,
+    whole_stride: tuple[int, ...],
+    rows: int,
+    local_rows: int,
+    mesh: DeviceMesh,
+    options: ShardingOptions,
+    requires_grad: bool,
+    layout: ParamLayout | None,
+) -> tuple[nn.Parameter, ShardSpec]:
+    """Wrap this rank's rows (``local``) as the sharded param, with its ``ShardSpec``."""
+    placement = Replicate() if len(shape) == 0 else Shard(0)
     if layout is None:
         on, placements = mesh, [placement]
     else:
         on = layout.mesh
-        placements = layout.scalar_placements if tensor.dim() == 0 else layout.placements
+        placements = layout.scalar_placements if len(shape) == 0 else layout.placements
     dtensor = DTensor.from_local(
         local, on, placements, run_check=False, shape=whole_shape, stride=whole_stride
     )
     spec = ShardSpec(
-        shape=tensor.shape,
+        shape=shape,
         rows_per_rank=rows,
         local_rows=local_rows,
-        group_size=world,
-        group_name=group.group_name,
+        group_size=mesh.size(),
+        group_name=mesh.get_group().group_name,
         options=options,
         replicate=layout.replicate if layout is not None else None,
         tensor_parallel=layout.tensor_parallel if layout is not None else None,

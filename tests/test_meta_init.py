@@ -3,7 +3,8 @@
 Every sharded param must equal, element for element, the same init run on a
 materialized copy of the model from the same RNG state (``model.apply(init_fn)``, or
 the constructor's ``reset_parameters`` calls), and training from it must match the
-single-process reference.
+single-process reference. With ``meta_init="shard"`` no whole param may be allocated, and
+the values follow the rules of [Note: meta-device init, shard by shard].
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fczero
 from fczero.models.llama import Llama, RMSNorm, _rope_tables
@@ -216,3 +219,123 @@ def test_init_fn_errors(fake_pg):
 
     with pytest.raises(ValueError, match="replaced its param 'weight'; the init must fill"):
         fczero.parallelize(_meta(TwoLayer), mesh, init_fn=replaces)
+
+
+# --- meta_init="shard": no whole param, values from per-rank streams ----------------------
+
+
+class _WholeShapes(TorchDispatchMode):
+    """Every real (non-meta) plain tensor an op produces, by shape (a DTensor's shape is
+    global: its storage is its local tensor, which the mode sees on its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if type(t) in (torch.Tensor, nn.Parameter) and t.device.type != "meta":
+                self.shapes.add(tuple(t.shape))
+        return out
+
+
+def test_shard_mode_never_allocates_a_whole_param(fake_pg):
+    model = _meta(Stack)
+    whole = {tuple(p.shape) for p in model.parameters()}
+    with _WholeShapes() as seen:
+        fczero.parallelize(model, init_device_mesh("cpu", (2,)), meta_init="shard")
+    assert not whole & seen.shapes, whole & seen.shapes
+    local = [tuple(p.to_local().shape) for p in model.parameters()]
+    assert local == [(6, 6), (5, 6), (5,), (5,), (5,), (6, 9), (6,)]
+    with _WholeShapes() as seen:  # the module-by-module default does allocate them
+        fczero.parallelize(_meta(Stack), init_device_mesh("cpu", (2,)))
+    assert whole <= seen.shapes
+
+
+def _shard_init(rank: int, world_size: int):
+    out = []
+    for build, init_fn in [(Stack, None), (UnevenTiedMLP, init_uneven), (Stack, None)]:
+        torch.manual_seed(INIT_SEED)
+        model = fczero.parallelize(
+            _meta(build), init_device_mesh("cpu", (world_size,)), init_fn=init_fn, meta_init="shard"
+        )
+        after = torch.rand(4)
+        params = {n: p.full_tensor() for n, p in model.named_parameters()}
+        out.append((params, after))
+    trace = parity.train_parallel(
+        rank,
+        world_size,
+        _meta_llama,
+        token_batches(steps=3),
+        parity.cross_entropy,
+        optimizer="adamw",
+        lr=1e-3,
+        init_fn=init_llama,
+        meta_init="shard",
+    )
+    model = fczero.parallelize(  # the same init again, to give the reference its values
+        _meta_llama(), init_device_mesh("cpu", (world_size,)), init_fn=init_llama, meta_init="shard"
+    )
+    start = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return out, trace, start
+
+
+def test_shard_mode_values(meta_shards):
+    values = [v for v, _, _ in meta_shards]
+    (stack, after), (uneven, _), (again, _) = values[0]
+    torch.manual_seed(INIT_SEED)
+    torch.randint(0, 2**62, ())  # the one draw the shard init takes from the default generator
+    torch.testing.assert_close(after, torch.rand(4), rtol=0, atol=0)
+    for rank_values in values[1:]:  # every rank ends with the same full tensors
+        for (a, _), (b, _) in zip(values[0], rank_values):
+            for name in a:
+                torch.testing.assert_close(a[name], b[name], rtol=0, atol=0)
+    for name in stack:  # deterministic from the seed
+        torch.testing.assert_close(stack[name], again[name], rtol=0, atol=0)
+    fc = stack["fc.weight"]  # [9, 6]: rows 0-4 from rank 0, rows 5-8 from rank 1
+    assert fc.abs().max() <= 6**-0.5  # Linear's init bound from the global fan-in (6)
+    assert not torch.equal(fc[:4], fc[5:9])  # the ranks' streams differ
+    assert torch.equal(stack["norm.weight"], torch.ones(9))  # deterministic inits: exact
+    assert torch.equal(stack["norm.bias"], torch.zeros(9))
+    whole = _whole_reference(Stack, None)
+    assert not torch.equal(fc, whole.fc.weight.detach())  # not the whole init's numbers
+    assert 0.5 <= uneven["scale"].item() <= 1.5  # 0-d: rank 0's draw, on every rank
+
+
+@pytest.fixture(scope="module")
+def meta_shards():
+    return run_on_ranks(_shard_init, 2)
+
+
+def test_shard_mode_llama_trains_like_reference_from_the_same_values(meta_shards):
+    _, trace, start = meta_shards[0]
+
+    def build() -> nn.Module:
+        model = tiny_llama()
+        model.load_state_dict(start, strict=False)  # params; the rope buffers are built
+        return model
+
+    expected = parity.train_reference(
+        build, token_batches(steps=3), parity.cross_entropy, optimizer="adamw", lr=1e-3
+    )
+    parity.assert_close(trace, expected, rtol=1e-5, atol=1e-6)
+    reference_init = _reference_llama().layers[0].attn.wqkv.weight.detach()
+    assert not torch.equal(start["layers.0.attn.wqkv.weight"], reference_init)
+
+
+def test_shard_mode_errors(fake_pg):
+    mesh = init_device_mesh("cpu", (2,))
+    with pytest.raises(ValueError, match="meta_init must be 'module' .* or 'shard'"):
+        fczero.parallelize(_meta(TwoLayer), mesh, meta_init="rows")
+    with pytest.raises(ValueError, match="meta_init='shard' is given but no param"):
+        fczero.parallelize(TwoLayer(), mesh, meta_init="shard")
+
+    def plain_copy(module: nn.Module) -> None:
+        module.weight.copy_(torch.ones(module.weight.shape))
+        module.bias.zero_()
+
+    model = _meta(TwoLayer)
+    with pytest.raises(RuntimeError, match="'fc1' with meta_init='shard' failed .* nn.init"):
+        fczero.parallelize(model, mesh, init_fn=plain_copy, meta_init="shard")
+    assert not fczero.is_parallelized(model)
