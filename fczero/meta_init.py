@@ -1,4 +1,4 @@
-"""Models built on the meta device: initialize module by module (or shard by shard), keep the shards.
+"""Models built on the meta device: initialized module by module, or shard by shard.
 
 [Note: meta-device init]
 A model built under ``torch.device("meta")`` has shapes and no storage. ``parallelize``
