@@ -146,7 +146,8 @@ GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_nccl_accumulation_matches_one_large_batch():
-    """NCCL on 2 GPUs (1 rank on one GPU) (the stage-1 reducer overlaps there); tolerances as in test_gpu."""
+    """NCCL on 2 GPUs, or 1 rank on one GPU (the stage-1 reducer overlaps there);
+    tolerances as in test_gpu."""
     per_rank = run_on_ranks(_run_cases, gpu_world_size(), GPU_CASES, "cuda", backend="nccl")
     for case, (trace, frames) in zip(GPU_CASES, per_rank[0]):
         build, batches, criterion = _setup(case[0])

@@ -174,7 +174,8 @@ def test_hf_llama_inductor():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_hf_llama_nccl_inductor():
-    """For the GPU machine: NCCL on 2 GPUs (1 rank on one GPU), Inductor, fp32 and bf16 compute, meta init."""
+    """For the GPU machine: NCCL on 2 GPUs (1 rank on one GPU), Inductor, fp32 and bf16
+    compute, meta init."""
     cases = [
         ("inductor", HFCausalLM, "inductor", {}),
         ("inductor-meta_init", meta_hf, "inductor", {"init_fn": hf_init}),

@@ -216,8 +216,9 @@ GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_nccl_stages_match_reference():
-    """NCCL on 2 GPUs (1 rank on one GPU): the stage-1 reducer's all-reduces overlap there (async); tolerances
-    as in test_gpu (fp32 rtol 1e-4 / atol 1e-5: cuBLAS orders sums by shape)."""
+    """NCCL on 2 GPUs (1 rank on one GPU): the stage-1 reducer's all-reduces overlap there
+    (async); tolerances as in test_gpu (fp32 rtol 1e-4 / atol 1e-5: cuBLAS orders sums by
+    shape)."""
     per_rank = run_on_ranks(run_cases, gpu_world_size(), GPU_CASES, "cuda", backend="nccl")
     for case, actual in zip(GPU_CASES, per_rank[0]):
         build, batches, criterion = case.setup()
