@@ -31,6 +31,13 @@ def _kept(model: torch.nn.Module) -> list[str]:
     ]
 
 
+def _last_two_kept(**options) -> torch.nn.Module:
+    """ThreeBlocks on a 2-rank mesh keeping its last two blocks (blocks.2 and the head)."""
+    return fczero.parallelize(
+        ThreeBlocks(), init_device_mesh("cpu", (2,)), unsharded_budget=HEAD + BLOCK, **options
+    )
+
+
 def test_block_of_groups_indexed_containers():
     assert block_of("layers.3.attn.wq") == "layers.3"
     assert block_of("layers.12") == "layers.12"
@@ -96,9 +103,7 @@ def test_bad_budget_is_refused_before_anything_changes(fake_pg):
 
 
 def test_eager_backward_regathers_only_what_is_not_kept(fake_pg):
-    model = fczero.parallelize(
-        ThreeBlocks(), init_device_mesh("cpu", (2,)), unsharded_budget=HEAD + BLOCK
-    )
+    model = _last_two_kept()
     loss = model(torch.randn(4, 512, requires_grad=True)).sum()
     with CollectiveLog() as bwd:
         loss.backward()
@@ -108,12 +113,7 @@ def test_eager_backward_regathers_only_what_is_not_kept(fake_pg):
 
 
 def test_compiled_forward_saves_the_kept_params_for_backward(fake_pg):
-    model = fczero.parallelize(
-        ThreeBlocks(),
-        init_device_mesh("cpu", (2,)),
-        unsharded_budget=HEAD + BLOCK,
-        compile_passes=False,
-    )
+    model = _last_two_kept(compile_passes=False)
     backend = AotEagerAndRecordGraphs()
     x = torch.randn(4, 512, requires_grad=True)  # every weight is needed in backward
     torch.compile(model, backend=backend, fullgraph=True)(x).sum().backward()
@@ -149,9 +149,7 @@ def test_numerics_match_the_reference_eager_and_compiled():
 def test_eager_accumulation_gathers_kept_params_once(fake_pg):
     """K micro-batches: the kept blocks (blocks.2 and the head) are gathered by the first
     micro-batch's forward only; the others in every forward (and again in backward)."""
-    model = fczero.parallelize(
-        ThreeBlocks(), init_device_mesh("cpu", (2,)), unsharded_budget=HEAD + BLOCK
-    )
+    model = _last_two_kept()
     x = torch.randn(4, 512, requires_grad=True)
     forwards = []
     with fczero.no_sync(model):
@@ -185,12 +183,7 @@ def test_compiled_accumulation_gathers_kept_params_once(fake_pg):
     """Compiled, 3 micro-batches with sync off and a synced one: three graphs (the first
     micro-batch's gathers every param and hands the kept ones back; the later ones take
     them as inputs), none compiled again in the next step."""
-    model = fczero.parallelize(
-        ThreeBlocks(),
-        init_device_mesh("cpu", (2,)),
-        unsharded_budget=HEAD + BLOCK,
-        compile_passes=False,
-    )
+    model = _last_two_kept(compile_passes=False)
     backend = AotEagerAndRecordGraphs()
     counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(model, backend=counter)
