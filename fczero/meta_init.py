@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -256,7 +257,9 @@ def _rank_stream(device: torch.device, seed: int) -> Iterator[None]:
     if device.type != "cpu":
         yield
         return
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # DTensor warns that its random ops lack CPU support: the per-rank stream is the answer
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have")
         torch.default_generator.manual_seed(seed % 2**63)
         yield
 
