@@ -78,7 +78,7 @@ class ParamState:
         self.acc: torch.Tensor | None = None  # leaf whose .grad accumulates while unsynced
         self.route: Route | None = None
         # a kept param's gather, reused by the micro-batches of one accumulation, and the
-        # version of the local shard it was gathered from (-1: gathered in a compiled graph)
+        # sharded param's version counter when gathered (-1: gathered in a compiled graph)
         self.reused: torch.Tensor | None = None
         self.reused_version = -1
 
