@@ -92,7 +92,9 @@ class ParamState:
             # The first synced use after accumulating: its backward adds what no_sync summed.
             pending, self.acc = self.acc.grad, None
         if self.whole is None and not accumulating and pending is None:
-            if self.reused is not None:
+            # only kept params ever hold a reused gather: the others skip the attribute
+            # (under compile each read would be one more guard, each write a side effect)
+            if spec.keep_unsharded and self.reused is not None:
                 self.reused = None
             return spec.unshard(param)
         if self.whole is not None:
@@ -101,7 +103,7 @@ class ParamState:
             whole = self.whole
         else:
             whole = self._gather_without_grad(param)
-            if pending is not None:
+            if pending is not None and spec.keep_unsharded:
                 self.reused = None  # the accumulation's last micro-batch: the step follows
         route = self.route
         eager_stage1 = root.reducer is not None and route.index >= 0
