@@ -4,6 +4,7 @@
 #
 #   bash bench/gpu_checks.sh                 # GPU tests only
 #   CPU_SUITE=1 bash bench/gpu_checks.sh     # and the CPU suite (pytest-xdist, WORKERS=8 workers)
+#   GPU_TESTS=tests/test_gpu.py CPU_TESTS=tests/test_train.py ...   # subsets of either
 #
 # The machine has no package registry: test-only packages come as wheels carried in .whl/
 # (expecttest at the top, transformers and pytest-xdist with their needs in .whl/hf/), installed
@@ -18,6 +19,7 @@ GPU_TIMEOUT="${GPU_TIMEOUT:-300}"
 CPU_TIMEOUT="${CPU_TIMEOUT:-420}"
 WORKERS="${WORKERS:-8}"
 GPU_TESTS="${GPU_TESTS:-tests}"  # a subset of test files, to rerun a few
+CPU_TESTS="${CPU_TESTS:-tests}"  # likewise for the CPU suite (a file, or file::test ids)
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -49,7 +51,7 @@ timeout "$GPU_TIMEOUT" python3 -m pytest -v -rA --durations=0 -m gpu -p no:cache
 [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
 
 if [ "$CPU_SUITE" = 1 ]; then
-    timeout "$CPU_TIMEOUT" python3 -m pytest -v -m "not gpu" -n "$WORKERS" -p no:cacheprovider -p no:benchmark tests 2>&1 \
+    timeout "$CPU_TIMEOUT" python3 -m pytest -v -m "not gpu" -n "$WORKERS" -p no:cacheprovider -p no:benchmark $CPU_TESTS 2>&1 \
         | tee "$OUT/cpu_suite.txt" | grep -E "FAILED|ERROR|passed|failed" | tail -40
     [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
 fi

@@ -50,7 +50,7 @@ def parallelize(
     bucket_bytes: int = 128 * 2**20,
     prefetch: int = 1,
     memory_budget: int | None = None,
-    unsharded_budget: int = 0,
+    unsharded_budget: int | str = 0,
     stage: int = 3,
     check_collectives: bool = False,
     check_timeout_s: float = 300.0,
@@ -163,8 +163,11 @@ def parallelize(
             )
         originals[id(param)] = param
         first_owner.append((path, param, specs_by_param[id(param)][1]))
-    if options.reshard_after_forward and options.stage == 3:
-        for key in unsharding.plan_kept_params(first_owner, options.unsharded_budget):
+    selective = options.reshard_after_forward and options.stage == 3
+    kept = None
+    if selective and options.unsharded_budget != unsharding.AUTO:
+        kept = unsharding.plan_kept_params(first_owner, options.unsharded_budget)
+        for key in kept.ids:
             sharded, spec = specs_by_param[key]
             specs_by_param[key] = sharded, dataclasses.replace(spec, keep_unsharded=True)
     wiring: dict[nn.Module, dict[str, ShardSpec]] = {}
@@ -174,13 +177,26 @@ def parallelize(
         wiring.setdefault(module, {})[name] = spec
     for module, specs in wiring.items():
         wire_module(module, specs)
-    stages.attach(
+    root = stages.attach(
         model,
         [(originals[key], *specs_by_param[key]) for key in specs_by_param],
         wiring,
         options,
         dp_mesh,
     )
+    root.kept = kept
+    if selective and options.unsharded_budget == unsharding.AUTO:
+        states = {id(state.param): state for state in root.params}
+        groups = [dp_mesh.get_group()]
+        if layout.replicate_mesh is not None:
+            groups.append(layout.replicate_mesh.get_group())
+        root.auto_unsharding = unsharding.AutoUnsharding(
+            model,
+            [(path, states[id(specs_by_param[id(p)][0])]) for path, p, _ in first_owner],
+            options.memory_budget,
+            mesh_device(dp_mesh),
+            groups,
+        )
     _move_buffers(model, dp_mesh)
     quiet_gather_checkpoint_note()
     if options.compile_passes:
@@ -258,12 +274,7 @@ def _move_buffers(model: nn.Module, mesh: DeviceMesh) -> None:
 def _install_passes(
     mesh: DeviceMesh, options: ShardingOptions, replicate: DeviceMesh | None = None
 ) -> None:
-    budget = options.memory_budget
-    if budget is None and mesh.device_type != "cpu":
-        device = mesh_device(mesh)
-        budget = int(
-            0.9 * torch.get_device_module(device).get_device_properties(device).total_memory
-        )
+    budget = unsharding.device_budget(mesh_device(mesh), options.memory_budget)
     registry.register(
         mesh.get_group().group_name,
         bucket_bytes=options.bucket_bytes,

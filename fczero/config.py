@@ -53,16 +53,20 @@ class ShardingOptions:
     0: no prefetch, compiled or eager."""
 
     memory_budget: int | None = None
-    """Bytes a compiled graph may allocate at its peak beyond its inputs (estimated
-    from shapes) once gathers are prefetched. None: 90% of the accelerator's memory,
-    unlimited on CPU."""
+    """Device bytes fczero plans within. Compiled graphs: what a graph may allocate at
+    its peak beyond its inputs (estimated from shapes) once gathers are prefetched and
+    activations offloaded. ``unsharded_budget="auto"``: what the whole step may peak at
+    (measured) once params are kept. None: 90% of the accelerator's memory, unlimited
+    on CPU."""
 
-    unsharded_budget: int = 0
+    unsharded_budget: int | str = 0
     """Bytes of unsharded params that may stay gathered from forward to backward
     (selective unsharding, see ``fczero/unsharding.py``): whole blocks, from the one
     forward runs last, while they fit. They skip the backward all-gather and cost their
-    unsharded size for the whole step. 0: pure stage 3. Ignored when
-    ``reshard_after_forward=False``, which keeps everything."""
+    unsharded size for the whole step. 0: pure stage 3. ``"auto"``: after the second
+    optimizer step, spend what the measured peak leaves of ``memory_budget`` (CUDA
+    only; elsewhere nothing is kept). Ignored when ``reshard_after_forward=False``,
+    which keeps everything."""
 
     stage: int = 3
     """ZeRO stage. 3: params, grads and optimizer state sharded; each param is gathered
@@ -127,11 +131,16 @@ class ShardingOptions:
                 f"fczero: activation_offload={self.activation_offload!r}; use 'off', 'auto' "
                 "(within memory_budget) or 'all'."
             )
+        if isinstance(self.unsharded_budget, str) and self.unsharded_budget != "auto":
+            raise ValueError(
+                f"fczero: unsharded_budget={self.unsharded_budget!r}; use a number of bytes "
+                "(an int, 0 for none) or 'auto' (sized from memory_budget after two steps)."
+            )
         for name in (
             "bucket_bytes", "prefetch", "memory_budget", "unsharded_budget", "offload_min_bytes"
         ):
             value = getattr(self, name)
-            if value is None and name == "memory_budget":
+            if (value is None and name == "memory_budget") or value == "auto":
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(

@@ -38,7 +38,7 @@ from torch.optim.optimizer import (
 from torch.utils.checkpoint import checkpoint
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fczero import collectives, resharding
+from fczero import collectives, resharding, unsharding
 from fczero.reducer import REDUCERS, Reducer, Route, whole_param
 from fczero.sharding import STATE_ATTR, _local, _recompute_everything, mesh_device
 
@@ -65,6 +65,9 @@ class RootState:
         self.params: list[ParamState] = []  # registration order, identical on every rank
         self.reducer: Reducer | None = None
         self.reducer_key = -1
+        # selective unsharding: the plan from unsharded_budget bytes, or the automatic one
+        self.kept: unsharding.KeptPlan | None = None
+        self.auto_unsharding: unsharding.AutoUnsharding | None = None
 
 
 class ParamState:
@@ -308,10 +311,12 @@ def _states_of(optimizer: torch.optim.Optimizer) -> list[ParamState]:
 def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     roots: dict[int, tuple[RootState, set[int]]] = {}
     for state in _states_of(optimizer):
-        if state.whole is not None:
-            roots.setdefault(id(state.root), (state.root, set()))[1].add(id(state))
+        roots.setdefault(id(state.root), (state.root, set()))[1].add(id(state))
     for root, ids in roots.values():
-        refresh([s for s in root.params if id(s) in ids])  # the root's order, not the optimizer's
+        # stages 1/2: the root's order, not the optimizer's
+        refresh([s for s in root.params if id(s) in ids and s.whole is not None])
+        if root.auto_unsharding is not None:
+            root.auto_unsharding.after_step()
 
 
 def _install_optimizer_hooks() -> None:

@@ -22,19 +22,54 @@ gathered param for backward; in eager mode the reshard scope leaves it out.
 While gradients accumulate (``fczero.no_sync``), a kept param is gathered once per
 accumulation, eager and compiled: the micro-batches after the first reuse that gather,
 up to the synced micro-batch (``fczero.stages.ParamState.reused``).
+
+[Note: automatic selective unsharding]
+``unsharded_budget="auto"`` sizes the kept blocks from ``memory_budget`` instead of by
+hand. Before any step runs, nothing says how much a step needs (activations depend on
+the batch, optimizer state on the optimizer), so the first two optimizer steps run as
+pure stage 3 and the plan is made right after the second one (``AutoUnsharding``):
+
+    headroom = memory_budget - peak allocated so far      (on each rank)
+    headroom = min over every rank of the model's mesh    (one all-reduce)
+    keep whole blocks, last first, while they fit in headroom
+
+The first step allocates the optimizer state, the second runs the way every later one
+will, and the allocator's peak since the process started (or since the user last
+reset it) covers both, so it errs on the high side. The minimum over ranks makes the
+decision the same everywhere, so every rank keeps the same params and issues the same
+collectives. A kept block adds at most its unsharded bytes to the step's peak: it is
+alive from its forward gather to its last backward use, which is where the peak of a
+training step lies. From the third step on, the kept params' gathers are no longer
+tagged for recomputation, so ``torch.compile`` compiles the model's graphs once more.
+
+The peak comes from the CUDA allocator (``torch.cuda.max_memory_allocated``). Other
+devices have no such counter: there the plan keeps nothing and says so in the log.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+import torch.distributed as dist
+
 if TYPE_CHECKING:
-    import torch
+    import torch.nn as nn
 
     from fczero.sharding import ShardSpec
+    from fczero.stages import ParamState
+
+#: ``unsharded_budget`` value that sizes the kept blocks from ``memory_budget``.
+AUTO = "auto"
+
+#: Optimizer steps that run as pure stage 3 before the automatic plan is made.
+AUTO_PLAN_AFTER_STEPS = 2
 
 logger = logging.getLogger("fczero")
 
@@ -50,14 +85,24 @@ def block_of(path: str) -> str:
     return path.split(".")[0]
 
 
+@dataclass(frozen=True)
+class KeptPlan:
+    """Which params stay unsharded from forward to backward, and why."""
+
+    ids: frozenset[int]  # ``id`` of each kept param
+    blocks: tuple[str, ...]  # the kept blocks, in registration order
+    kept_bytes: int  # their unsharded bytes
+    budget: int  # bytes the plan could spend
+    source: str  # "unsharded_budget", or "auto: ..." with the numbers it came from
+
+
 def plan_kept_params(
-    params: Sequence[tuple[str, torch.Tensor, ShardSpec]], budget: int
-) -> set[int]:
-    """``id`` of every param to keep unsharded, given ``(module path, param, spec)`` in
-    registration order (a param shared by several modules appears once, under its first
-    owner). Whole blocks are kept from the last one back while they fit in ``budget``."""
-    if budget <= 0:
-        return set()
+    params: Sequence[tuple[str, torch.Tensor, ShardSpec]], budget: int, source: str = ""
+) -> KeptPlan:
+    """Plan from ``(module path, param, spec)`` in registration order (a param shared by
+    several modules appears once, under its first owner). Whole blocks are kept from the
+    last one back while they fit in ``budget``."""
+    source = source or f"unsharded_budget={budget}"
     blocks: dict[str, list[tuple[torch.Tensor, ShardSpec]]] = {}
     for path, param, spec in params:
         # a module outside indexed containers is a unit of its own: the head of
@@ -66,20 +111,132 @@ def plan_kept_params(
         blocks.setdefault(unit, []).append((param, spec))
     kept: set[int] = set()
     spent = 0
-    names = []
+    names: list[str] = []
     for name, members in reversed(blocks.items()):
+        if budget <= 0:
+            break
         size = sum(spec.unsharded_bytes(param) for param, spec in members)
         if spent + size > budget:
             break
         spent += size
         kept.update(id(param) for param, _ in members)
         names.append(name)
-    logger.info(
-        "selective unsharding: keeping %d blocks (%s) unsharded from forward to backward, "
-        "%.1f MiB of unsharded_budget=%.1f MiB",
-        len(names),
-        ", ".join(reversed(names)) or "none",
-        spent / 2**20,
-        budget / 2**20,
+    plan = KeptPlan(frozenset(kept), tuple(reversed(names)), spent, max(budget, 0), source)
+    if budget > 0 or source.startswith("auto"):
+        logger.info("selective unsharding: %s", describe(plan))
+    return plan
+
+
+def describe(plan: KeptPlan) -> str:
+    """One line: what is kept, of how much, from where."""
+    if not plan.blocks:
+        return f"nothing kept, {plan.budget / 2**20:.1f} MiB to spend ({plan.source})"
+    return (
+        f"{len(plan.blocks)} blocks kept unsharded from forward to backward "
+        f"({', '.join(plan.blocks)}), {plan.kept_bytes / 2**20:.1f} MiB of "
+        f"{plan.budget / 2**20:.1f} MiB ({plan.source})"
     )
-    return kept
+
+
+def peak_allocated(device: torch.device) -> int | None:
+    """Most bytes the device's allocator has held (since start or the last reset); None
+    where the device keeps no such count (CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return None
+
+
+def device_budget(device: torch.device, memory_budget: int | None) -> int | None:
+    """``memory_budget``, or by default 90% of the accelerator's memory (None on CPU)."""
+    if memory_budget is not None or device.type == "cpu":
+        return memory_budget
+    return int(0.9 * torch.get_device_module(device).get_device_properties(device).total_memory)
+
+
+class AutoUnsharding:
+    """``unsharded_budget="auto"``: counts optimizer steps, then plans once ([Note:
+    automatic selective unsharding])."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        candidates: list[tuple[str, ParamState]],
+        memory_budget: int | None,
+        device: torch.device,
+        groups: list[dist.ProcessGroup],
+    ) -> None:
+        self.model = weakref.ref(model)
+        self.candidates = candidates  # (first owner's module path, state), registration order
+        self.budget = device_budget(device, memory_budget)
+        self.device = device
+        self.groups = groups  # every axis of the model's mesh: the minimum is global
+        self.steps = 0
+        self.plan: KeptPlan | None = None
+
+    def after_step(self) -> None:
+        """Called after every optimizer step that updates this model's params."""
+        if self.plan is not None:
+            return
+        self.steps += 1
+        if self.steps < AUTO_PLAN_AFTER_STEPS:
+            return
+        self.plan = self._decide()
+        if self.plan.ids:
+            self._apply(self.plan.ids)
+
+    def _decide(self) -> KeptPlan:
+        peak = peak_allocated(self.device)
+        if self.budget is None or peak is None:
+            # the same on every rank (one device type per mesh): no collective either way
+            why = "no memory_budget" if self.budget is None else "no allocator peak on this device"
+            return plan_kept_params(
+                [],
+                0,
+                f"auto: {why} on {self.device.type}; pass memory_budget and train on a CUDA "
+                "device, or give unsharded_budget in bytes",
+            )
+        headroom = torch.tensor([self.budget - peak], dtype=torch.int64, device=self.device)
+        for group in self.groups:
+            dist.all_reduce(headroom, op=dist.ReduceOp.MIN, group=group)
+        spare = int(headroom.item())
+        source = (
+            f"auto after {self.steps} steps: memory_budget {self.budget / 2**20:.1f} MiB - "
+            f"peak {peak / 2**20:.1f} MiB on this rank; least headroom over ranks "
+            f"{spare / 2**20:.1f} MiB"
+        )
+        params = [(path, state.param, state.spec) for path, state in self.candidates]
+        return plan_kept_params(params, spare, source)
+
+    def _apply(self, ids: frozenset[int]) -> None:
+        """Mark the kept params in their states and modules; the next step uses them."""
+        from fczero.sharding import MANAGED_ATTR, STATE_ATTR
+
+        model = self.model()
+        if model is None:
+            return
+        for module in model.modules():
+            states = module.__dict__.get(STATE_ATTR)
+            if not states:
+                continue
+            for name, state in states.items():
+                if id(state.param) not in ids:
+                    continue
+                if not state.spec.keep_unsharded:  # (a tied param's state is shared)
+                    state.spec = dataclasses.replace(state.spec, keep_unsharded=True)
+                module.__dict__[MANAGED_ATTR][name] = state.spec
+        # eager prefetch replays gathers with the specs it recorded: record anew
+        prefetcher = model.__dict__.get("_fczero_prefetch")
+        if prefetcher is not None:
+            prefetcher.order = None
+
+
+def report_line(kept: KeptPlan | None, auto: AutoUnsharding | None) -> str | None:
+    """What ``fczero.memory_report`` says of selective unsharding (None: not in use)."""
+    if auto is not None:
+        if auto.plan is None:
+            return (
+                f"auto, planned after optimizer step {AUTO_PLAN_AFTER_STEPS} "
+                f"({auto.steps} so far): nothing kept yet"
+            )
+        return describe(auto.plan)
+    return describe(kept) if kept is not None and kept.budget > 0 else None

@@ -339,3 +339,40 @@ def test_shard_mode_errors(fake_pg):
     with pytest.raises(RuntimeError, match="'fc1' with meta_init='shard' failed .* nn.init"):
         fczero.parallelize(model, mesh, init_fn=plain_copy, meta_init="shard")
     assert not fczero.is_parallelized(model)
+
+
+def _shard_init_cuda(rank: int, world_size: int):
+    mesh = init_device_mesh("cuda", (world_size,))
+    out = []
+    for _ in range(2):  # the same seed twice: the same values
+        torch.manual_seed(INIT_SEED)
+        model = fczero.parallelize(_meta(Stack), mesh, meta_init="shard")
+        assert all(p.to_local().is_cuda for p in model.parameters())
+        out.append({n: p.full_tensor().cpu() for n, p in model.named_parameters()})
+    loss = model(torch.randint(0, 11, (4, 3), device="cuda")).float().pow(2).mean()
+    loss.backward()  # the initialized model trains: grads come back sharded
+    grads = [p.grad is not None and p.grad.to_local().is_cuda for p in model.parameters()]
+    return out, grads
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shard_mode_on_a_gpu_mesh():
+    """On CUDA the shards are filled by DTensor's RNG tracker ([Note: meta-device init,
+    shard by shard]): deterministic from the seed, inside the init's bounds, the same on
+    every rank once gathered, deterministic inits exact."""
+    from fczero.testing.distributed import gpu_world_size
+
+    results = run_on_ranks(_shard_init_cuda, gpu_world_size(), backend="nccl")
+    (first, again), grads = results[0]
+    assert all(grads)
+    for name in first:
+        torch.testing.assert_close(first[name], again[name], rtol=0, atol=0)
+        for (other, _), _ in results[1:]:
+            torch.testing.assert_close(first[name], other[name], rtol=0, atol=0)
+    fc = first["fc.weight"]
+    assert fc.abs().max() <= 6**-0.5
+    assert fc.std() > 0.05  # drawn, not left empty or zero
+    assert torch.equal(first["norm.weight"], torch.ones(9))
+    assert torch.equal(first["norm.bias"], torch.zeros(9))
+    assert first["embed.weight"].std() > 0.5  # N(0, 1)

@@ -13,6 +13,8 @@ from fczero.testing import parity
 from fczero.testing.comm import CollectiveLog
 from fczero.testing.distributed import run_on_ranks
 from fczero.testing.graphs import collective_sequence, saved_unsharded
+from fczero import unsharding
+from fczero.stages import root_state
 from fczero.unsharding import block_of
 from tests.models import ThreeBlocks, block_batches
 from tests.test_accumulation import _setup as accumulation_setup
@@ -97,8 +99,10 @@ def test_bad_budget_is_refused_before_anything_changes(fake_pg):
     model = ThreeBlocks()
     with pytest.raises(ValueError, match="unsharded_budget=-1 is negative"):
         fczero.parallelize(model, init_device_mesh("cpu", (2,)), unsharded_budget=-1)
-    with pytest.raises(TypeError, match="unsharded_budget must be an int"):
+    with pytest.raises(ValueError, match="unsharded_budget='1GB'; use a number of bytes"):
         fczero.parallelize(model, init_device_mesh("cpu", (2,)), unsharded_budget="1GB")
+    with pytest.raises(TypeError, match="unsharded_budget must be an int"):
+        fczero.parallelize(model, init_device_mesh("cpu", (2,)), unsharded_budget=1.5e9)
     assert not fczero.is_parallelized(model)
 
 
@@ -135,15 +139,152 @@ def _train(rank: int, world_size: int, backend: str | None) -> parity.Trace:
     )
 
 
-def _eager_and_compiled(rank: int, world_size: int) -> list[parity.Trace]:
-    return [_train(rank, world_size, None), _train(rank, world_size, "aot_eager")]
+AUTO_BUDGET = 10**9
 
 
-def test_numerics_match_the_reference_eager_and_compiled():
-    eager, compiled = run_on_ranks(_eager_and_compiled, 2)[0]
+def _fake_peak(monkeypatch, headroom: int) -> None:
+    """The allocator's peak, as if ``headroom`` bytes of ``AUTO_BUDGET`` were left."""
+    monkeypatch.setattr(unsharding, "peak_allocated", lambda device: AUTO_BUDGET - headroom)
+
+
+def _train_auto(rank: int, world_size: int, backend: str | None):
+    """``unsharded_budget="auto"`` with a different headroom on each rank: rank 0's (the
+    smaller) decides for both. Returns the trace and the blocks each plan kept."""
+    headroom = HEAD + BLOCK + 100 if rank == 0 else 10 * BLOCK
+    unsharding.peak_allocated = lambda device: AUTO_BUDGET - headroom
+    plans = []
+    plan_kept_params = unsharding.plan_kept_params
+
+    def recording(*args, **kwargs):
+        plan = plan_kept_params(*args, **kwargs)
+        plans.append(plan.blocks)
+        return plan
+
+    unsharding.plan_kept_params = recording
+    trace = parity.train_parallel(
+        rank,
+        world_size,
+        ThreeBlocks,
+        block_batches(steps=4),
+        parity.mse,
+        compile_backend=backend,
+        unsharded_budget="auto",
+        memory_budget=AUTO_BUDGET,
+    )
+    unsharding.plan_kept_params = plan_kept_params
+    return trace, plans
+
+
+def _eager_and_compiled(rank: int, world_size: int) -> list:
+    fixed = [_train(rank, world_size, None), _train(rank, world_size, "aot_eager")]
+    return fixed + [_train_auto(rank, world_size, b) for b in (None, "aot_eager")]
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return run_on_ranks(_eager_and_compiled, 2)
+
+
+def test_numerics_match_the_reference_eager_and_compiled(trained):
+    eager, compiled, *_ = trained[0]
     expected = parity.train_reference(ThreeBlocks, block_batches(steps=3), parity.mse)
     parity.assert_close(eager, expected, rtol=1e-5, atol=1e-6)
     parity.assert_close(compiled, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_plan_is_the_same_on_every_rank_and_keeps_numerics(trained):
+    """Each rank measured another headroom: the smallest (rank 0's: the head and one
+    block) decides on both, and training through the switch matches the reference."""
+    expected = parity.train_reference(ThreeBlocks, block_batches(steps=4), parity.mse)
+    for rank_results in trained:
+        for trace, plans in rank_results[2:]:
+            assert plans == [("blocks.2", "head")]
+            parity.assert_close(trace, expected, rtol=1e-5, atol=1e-6)
+
+
+def _sgd_steps(model, step_fn, steps: int) -> tuple[list[int], list[list[str]]]:
+    """Train ``steps`` steps; per step, the backward all-gathers and the kept params after it."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    device = next(model.parameters()).device
+    x = torch.randn(4, 512, device=device, requires_grad=True)  # backward needs every weight
+    regathers, kept = [], []
+    for _ in range(steps):
+        loss = step_fn(x).sum()
+        with CollectiveLog() as bwd:
+            loss.backward()
+        regathers.append(bwd.count("all_gather_into_tensor"))
+        optimizer.step()
+        optimizer.zero_grad()
+        kept.append(sorted(_kept(model)))
+    return regathers, kept
+
+
+LAST_TWO = sorted(["blocks.2.weight", "blocks.2.bias", "head.weight"])
+
+
+def test_auto_plans_after_the_second_step_from_the_headroom(fake_pg, monkeypatch, caplog):
+    _fake_peak(monkeypatch, HEAD + BLOCK + 100)
+    model = fczero.parallelize(
+        ThreeBlocks(),
+        init_device_mesh("cpu", (2,)),
+        unsharded_budget="auto",
+        memory_budget=AUTO_BUDGET,
+    )
+    assert "auto, planned after optimizer step 2 (0 so far)" in str(fczero.memory_report(model))
+    with caplog.at_level("INFO", logger="fczero"):
+        regathers, kept = _sgd_steps(model, model, 4)
+    assert regathers == [4, 4, 2, 2]  # from step 3: blocks.2 and the head are kept
+    report = str(fczero.memory_report(model))
+    assert "selective unsharding: 2 blocks kept unsharded from forward to backward " in report
+    assert "(blocks.2, head)" in report
+    assert kept == [[], LAST_TWO, LAST_TWO, LAST_TWO]
+    plan = root_state(model).auto_unsharding.plan
+    assert plan.blocks == ("blocks.2", "head") and plan.kept_bytes == HEAD + BLOCK
+    assert "auto after 2 steps" in plan.source
+    assert "2 blocks kept unsharded" in caplog.text
+
+
+def test_auto_recompiles_once_with_the_kept_params(fake_pg, monkeypatch):
+    _fake_peak(monkeypatch, HEAD + BLOCK)
+    model = fczero.parallelize(
+        ThreeBlocks(),
+        init_device_mesh("cpu", (2,)),
+        unsharded_budget="auto",
+        memory_budget=AUTO_BUDGET,
+        compile_passes=False,
+    )
+    backend = AotEagerAndRecordGraphs()
+    counter = CompileCounterWithBackend(backend)
+    regathers, _ = _sgd_steps(model, torch.compile(model, backend=counter), 4)
+    assert counter.frame_count == 2  # once pure stage 3, once with the kept params
+    assert regathers == [4, 4, 2, 2]
+    assert len(saved_unsharded(backend.fw_graphs[-1])) == 2  # blocks.2.weight, head.weight
+
+
+@pytest.mark.parametrize(
+    ("headroom", "memory_budget", "why"),
+    [
+        (HEAD - 1, AUTO_BUDGET, "nothing kept"),  # not even the head fits
+        (-5, AUTO_BUDGET, "nothing kept"),  # the peak is over the budget already
+        (None, AUTO_BUDGET, "no allocator peak on this device"),  # CPU: no peak counter
+        (BLOCK, None, "no memory_budget"),  # CPU without a budget: unlimited, no plan
+    ],
+)
+def test_auto_keeps_nothing_when_nothing_fits_or_nothing_is_measured(
+    fake_pg, monkeypatch, caplog, headroom, memory_budget, why
+):
+    if headroom is not None:
+        _fake_peak(monkeypatch, headroom)
+    model = fczero.parallelize(
+        ThreeBlocks(),
+        init_device_mesh("cpu", (2,)),
+        unsharded_budget="auto",
+        memory_budget=memory_budget,
+    )
+    with caplog.at_level("INFO", logger="fczero"):
+        regathers, kept = _sgd_steps(model, model, 3)
+    assert regathers == [4, 4, 4] and kept == [[], [], []]
+    assert why in caplog.text
 
 
 def test_eager_accumulation_gathers_kept_params_once(fake_pg):
@@ -222,3 +363,36 @@ def test_accumulation_with_kept_params_matches_one_large_batch():
     expected = parity.train_reference(*accumulation_setup("llama"))
     parity.assert_close(eager, expected, rtol=1e-5, atol=1e-6)
     parity.assert_close(compiled, expected, rtol=1e-5, atol=1e-6)
+
+
+def _auto_on_cuda(rank: int, world_size: int, memory_budget: int):
+    """Four steps with the CUDA allocator's real peak; per step, the backward regathers."""
+    torch.manual_seed(0)
+    model = fczero.parallelize(
+        ThreeBlocks().cuda(),
+        init_device_mesh("cuda", (world_size,)),
+        unsharded_budget="auto",
+        memory_budget=memory_budget,
+    )
+    regathers, kept = _sgd_steps(model, model, 4)
+    plan = root_state(model).auto_unsharding.plan
+    return regathers, kept[-1], plan.blocks, plan.source, torch.cuda.max_memory_allocated()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_on_cuda_reads_the_allocator_peak():
+    """A budget far above the step's peak keeps every block; one below it keeps none."""
+    from fczero.testing.distributed import gpu_world_size
+
+    ranks = gpu_world_size()
+    roomy = run_on_ranks(_auto_on_cuda, ranks, 2**32, backend="nccl")
+    tight = run_on_ranks(_auto_on_cuda, ranks, 2**20, backend="nccl")
+    everything = sorted(f"blocks.{i}.{n}" for i in range(3) for n in ("weight", "bias"))
+    for regathers, kept, blocks, source, peak in roomy:
+        assert regathers == [4, 4, 0, 0], source
+        assert kept == sorted([*everything, "head.weight"])
+        assert blocks == ("blocks.0", "blocks.1", "blocks.2", "head")
+        assert 2**20 < peak < 2**32  # what the plan read: a real, plausible peak
+    for regathers, kept, blocks, source, _ in tight:
+        assert regathers == [4, 4, 4, 4] and kept == [] and blocks == (), source

@@ -3,7 +3,8 @@
 For every forward/backward pair compiled for the model's process group it lists the
 planned peak (device bytes, from the memory model, before and after activation
 offload), which activations were offloaded and which were kept and why; the
-optimizer-state offload's split when its handle is given; and the measured peak
+optimizer-state offload's split when its handle is given; the params selective
+unsharding keeps gathered from forward to backward, and why; and the measured peak
 beside the plan (``torch.cuda.max_memory_allocated`` on CUDA; not measured on CPU).
 ``MemoryReport.plot(path)`` draws the planned bytes over one step (forward, then
 backward) of each graph pair, before and after offload, to a PNG.
@@ -21,6 +22,8 @@ from torch.distributed.tensor import DTensor
 from fczero.offload.activations import ActivationPlan
 from fczero.offload.optimizer import OptimizerOffload, OptimizerOffloadSummary
 from fczero.offload.partition import recorded_plans
+from fczero.stages import root_state
+from fczero.unsharding import report_line
 
 logger = logging.getLogger("fczero")
 
@@ -38,6 +41,7 @@ class MemoryReport:
     plans: list[ActivationPlan]
     optimizer: OptimizerOffloadSummary | None
     measured_peak: int | None
+    unsharding: str | None = None  # selective unsharding's plan, in words
 
     def __str__(self) -> str:
         lines = ["fczero memory report"]
@@ -65,6 +69,8 @@ class MemoryReport:
                 f"{len(self.optimizer.kept)} ({_mib(self.optimizer.kept_bytes)}) kept on "
                 "the device (device_bytes)"
             )
+        if self.unsharding is not None:
+            lines.append(f"selective unsharding: {self.unsharding}")
         planned = max((p.peak_after for p in self.plans), default=None)
         measured = "not measured (CPU)" if self.measured_peak is None else _mib(self.measured_peak)
         estimate = "n/a" if planned is None else _mib(planned)
@@ -136,4 +142,6 @@ def memory_report(
     if measured_peak is None and device.type == "cuda":
         measured_peak = torch.cuda.max_memory_allocated(device)
     summary = optimizer_offload.summary if optimizer_offload is not None else None
-    return MemoryReport(list(recorded_plans.get(group, [])), summary, measured_peak)
+    root = root_state(model)
+    kept = None if root is None else report_line(root.kept, root.auto_unsharding)
+    return MemoryReport(list(recorded_plans.get(group, [])), summary, measured_peak, kept)
