@@ -19,9 +19,11 @@ with ``AdamW(lr, betas=(0.9, 0.95), weight_decay=0)`` (``fused=True`` on CUDA):
 | fsdp2-cpuoffload | bf16 params, fp32 reduce | FSDP2 eager with ``CPUOffloadPolicy`` |
 | fczero-memory-eager | same | fczero eager, optimizer states offloaded, step in 512 MiB chunks |
 | fczero-memory | same | fczero compiled, activation offload ``all``, states offloaded |
+| fczero-params-offload | same | fczero compiled, activation offload ``all``, ``offload_params`` |
 
-The last three (group ``memory``, not in ``all``) are for ``bench.capacity``; the FSDP2
-one builds the model in host memory (its GPU never holds the whole model).
+The last four (group ``memory``, not in ``all``) are for ``bench.capacity``; the FSDP2
+one and ``fczero-params-offload`` build the model in host memory (their GPU never holds
+the whole model) and step AdamW on the CPU, with the same optimizer settings.
 
 DeepSpeed is imported inside its builders only: it is a benchmark-only dependency.
 """
@@ -296,6 +298,25 @@ def _fczero_memory(ctx: ArmContext, *, compiled: bool) -> Arm:
     return Arm(step=train_step(module, opt), keep=[root, module, opt, handle])
 
 
+def build_fczero_params_offload(ctx: ArmContext) -> Arm:
+    """Shards, grads and AdamW state in pinned host memory (``offload_params``), activation
+    offload, compiled: what FSDP2's CPUOffloadPolicy keeps off the GPU, and activations."""
+    import fczero
+
+    root = LossModule(build_model(ctx, torch.device("cpu")))
+    fczero.parallelize(
+        root,
+        ctx.mesh,
+        param_dtype=BF16,
+        reduce_dtype=torch.float32,
+        offload_params=True,
+        activation_offload="all",
+    )
+    opt = torch.optim.AdamW(root.parameters(), lr=ctx.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    module = torch.compile(root, backend=ctx.compile_backend)
+    return Arm(step=train_step(module, opt), keep=[root, module, opt])
+
+
 def build_fczero_memory_eager(ctx: ArmContext) -> Arm:
     return _fczero_memory(ctx, compiled=False)
 
@@ -449,13 +470,18 @@ ARMS: dict[str, ArmSpec] = {
             label="fczero compiled, activation + optimizer offload",
             build=build_fczero_memory,
         ),
+        ArmSpec(
+            name="fczero-params-offload",
+            label="fczero compiled, param + activation offload (CPU step)",
+            build=build_fczero_params_offload,
+        ),
     )
 }
 """Every arm, in the order they run: the floor first (ratios), FSDP2 eager next (loss reference)."""
 
 _OVERLAP_ARMS = ["fczero-inductor-overlap", "fczero-passes+overlap", "fczero-symm-mem"]
 
-MEMORY_ARMS = ["fsdp2-cpuoffload", "fczero-memory-eager", "fczero-memory"]
+MEMORY_ARMS = ["fsdp2-cpuoffload", "fczero-memory-eager", "fczero-memory", "fczero-params-offload"]
 """Capacity arms (bench.capacity): left out of ``all``."""
 
 GROUPS: dict[str, list[str]] = {

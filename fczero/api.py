@@ -19,6 +19,7 @@ from fczero import meta_init as meta_device_init
 from fczero import prefetch as eager_prefetch
 from fczero.config import ShardingOptions
 from fczero.meshes import MeshLayout, resolve_mesh
+from fczero.offload import params as param_offload
 from fczero.offload import partition as offload_partition
 from fczero.passes import registry
 from fczero.passes.install import install
@@ -51,6 +52,7 @@ def parallelize(
     prefetch: int = 1,
     memory_budget: int | None = None,
     unsharded_budget: int | str = 0,
+    offload_params: bool = False,
     stage: int = 3,
     check_collectives: bool = False,
     check_timeout_s: float = 300.0,
@@ -78,8 +80,8 @@ def parallelize(
             Params that are already tensor-parallel DTensors must live on other axes
             of this same mesh (``fczero.meshes``).
         param_dtype, reduce_dtype, reshard_after_forward, axis, replicate_axis,
-        compile_passes, bucket_bytes, prefetch, memory_budget, unsharded_budget, stage,
-        check_collectives, check_timeout_s: see
+        compile_passes, bucket_bytes, prefetch, memory_budget, unsharded_budget,
+        offload_params, stage, check_collectives, check_timeout_s: see
             :class:`fczero.ShardingOptions`
             (one docstring per field).
         init_fn: for a model built on the meta device only: ``init_fn(module)``
@@ -113,6 +115,7 @@ def parallelize(
         prefetch=prefetch,
         memory_budget=memory_budget,
         unsharded_budget=unsharded_budget,
+        offload_params=offload_params,
         stage=stage,
         check_collectives=check_collectives,
         check_timeout_s=check_timeout_s,
@@ -127,6 +130,15 @@ def parallelize(
         raise ValueError(
             f"fczero: stage={options.stage} is not supported with HSDP (replicate_axis) or "
             "tensor-parallel params yet; use stage=3 (the default) on such meshes."
+        )
+    if options.offload_params and (
+        options.stage != 3
+        or layout.replicate_axis is not None
+        or any(isinstance(p, DTensor) for *_, p in owners)
+    ):
+        raise ValueError(
+            "fczero: offload_params=True needs stage=3 on a mesh without replicate or "
+            "tensor-parallel axes; drop offload_params, or shard with stage=3 over one axis."
         )
     params = list(model.named_parameters())  # each param once, under its first name
     names = {id(p): n for n, p in params}
@@ -170,6 +182,7 @@ def parallelize(
         for key in kept.ids:
             sharded, spec = specs_by_param[key]
             specs_by_param[key] = sharded, dataclasses.replace(spec, keep_unsharded=True)
+    _offload_params(specs_by_param, dp_mesh, options)
     wiring: dict[nn.Module, dict[str, ShardSpec]] = {}
     for _, module, name, param in owners:
         sharded, spec = specs_by_param[id(param)]
@@ -261,6 +274,27 @@ def _validate_model(
                 )
             owners.append((module_name, module, name, param))
     return owners
+
+
+def _offload_params(
+    specs_by_param: dict[int, tuple[nn.Parameter, ShardSpec]],
+    mesh: DeviceMesh,
+    options: ShardingOptions,
+) -> None:
+    """``offload_params``: every shard to pinned host memory ([Note: parameter offload])."""
+    if not options.offload_params:
+        return
+    device = mesh_device(mesh)
+    if device.type == "cpu":
+        logger.info("offload_params: the mesh is on the CPU, so the shards are there already")
+        return
+    for key, (sharded, spec) in specs_by_param.items():
+        specs_by_param[key] = param_offload.to_host(sharded, spec, device)
+    logger.info(
+        "offload_params: %d sharded params in host memory; gathers copy them to %s",
+        len(specs_by_param),
+        device,
+    )
 
 
 def _move_buffers(model: nn.Module, mesh: DeviceMesh) -> None:

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 from fczero import stages
+from fczero.offload import params as param_offload
 
 logger = logging.getLogger("fczero")
 
@@ -216,7 +217,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     out: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():  # the same order on every rank
         if isinstance(value, DTensor):
-            value = value.full_tensor()
+            value = param_offload.full_tensor(value)  # (a host shard: gathered on the device)
         if keep:
             out[name] = value.detach().cpu().clone()
     return out

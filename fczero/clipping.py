@@ -29,6 +29,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from fczero.sharding import mesh_device
+
 logger = logging.getLogger("fczero")
 
 __all__ = ["clip_grad_norm_"]
@@ -88,11 +90,13 @@ def clip_grad_norm_(
     parts = []  # one float32 scalar per source, already combined over ranks
     for name in sorted(sharded):  # the same order on every rank
         example, locals_ = sharded[name]
-        local = _local_norm(locals_, norm_type, foreach).to(device)
+        # where the group communicates (param offload keeps grads on the host)
+        comm = mesh_device(example.device_mesh)
+        local = _local_norm(locals_, norm_type, foreach).to(comm)
         local = local if inf else local.pow(norm_type)
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
         dist.all_reduce(local, op=op, group=example.device_mesh.get_group())
-        parts.append(local)
+        parts.append(local.to(device))
     if whole:
         local = _local_norm(whole, norm_type, foreach).to(device)
         parts.append(local if inf else local.pow(norm_type))

@@ -93,6 +93,12 @@ class ShardingOptions:
     activation of at least ``offload_min_bytes``; ``"auto"``: the largest first, until
     the planned peak is within ``memory_budget`` (nothing without a budget)."""
 
+    offload_params: bool = False
+    """Sharded params and their grads live in pinned host memory; each gather copies
+    the shard to the device first, and the optimizer steps on the host (as FSDP2's
+    ``CPUOffloadPolicy``). Stage 3 on a mesh without replicate or tensor-parallel axes;
+    on a CPU mesh it changes nothing. See ``fczero/offload/params.py``."""
+
     offload_min_bytes: int = 1 << 20
     """Smallest activation ``activation_offload`` moves; smaller copies cost more than
     they save."""
@@ -149,6 +155,10 @@ class ShardingOptions:
                 )
             if value < 0:
                 raise ValueError(f"fczero: {name}={value} is negative; use 0 or more.")
+        if not isinstance(self.offload_params, bool):
+            raise TypeError(
+                f"fczero: offload_params must be True or False, got {self.offload_params!r}."
+            )
         if not isinstance(self.compile_passes, bool):
             raise TypeError(
                 f"fczero: compile_passes must be True or False, got {self.compile_passes!r}."

@@ -43,6 +43,7 @@ from torch.utils.checkpoint import (
 
 from fczero import collectives, consistency, prefetch, resharding
 from fczero.config import ShardingOptions
+from fczero.offload.params import to_device
 
 if TYPE_CHECKING:
     from fczero.meshes import ParamLayout, TensorParallelView
@@ -69,6 +70,8 @@ class ShardSpec:
     keep_unsharded: bool = False  # selective unsharding: see fczero/unsharding.py
     replicate: tuple[int, str] | None = None  # HSDP: (size, group name) of the replicate axis
     tensor_parallel: TensorParallelView | None = None  # shows the module a TP DTensor
+    # param offload: the shard lives on the host; gathers copy it to this device first
+    compute_device: torch.device | None = None
 
     @property
     def is_scalar(self) -> bool:
@@ -91,7 +94,7 @@ class ShardSpec:
         opts = self.options
         if self.is_scalar:
             return collectives.replicate_scalar(
-                _local(param),
+                self._on_device(_local(param)),
                 self.group_size,
                 self.group_name,
                 opts.param_dtype,
@@ -113,7 +116,15 @@ class ShardSpec:
             full = _eager_gather(self, param)
         return collectives.settle(full)
 
+    def _on_device(self, local: torch.Tensor) -> torch.Tensor:
+        """The shard where the collectives run (a copy from the host under param offload;
+        its backward copies the grad back)."""
+        if self.compute_device is None:
+            return local
+        return to_device(local, self.compute_device)
+
     def _gather(self, local: torch.Tensor) -> torch.Tensor:
+        local = self._on_device(local)
         pad = self.rows_per_rank - self.local_rows
         if pad:
             local = F.pad(local, [0, 0] * (local.dim() - 1) + [0, pad])

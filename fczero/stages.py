@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fczero import collectives, resharding, unsharding
+from fczero.offload import params as param_offload
 from fczero.reducer import REDUCERS, Reducer, Route, whole_param
 from fczero.sharding import STATE_ATTR, _local, _recompute_everything, mesh_device
 
@@ -112,7 +113,8 @@ class ParamState:
         eager_stage1 = root.reducer is not None and route.index >= 0
         if eager_stage1 and not accumulating and not collectives._tracing():
             root.reducer.expect(route.index)  # one more grad for its bucket to wait for
-        return whole_param(_local(param), whole, self.acc if accumulating else None, pending, route)
+        local = self.spec._on_device(_local(param))  # (param offload: from the host)
+        return whole_param(local, whole, self.acc if accumulating else None, pending, route)
 
     def _gather_without_grad(self, param: torch.Tensor) -> torch.Tensor:
         """Stage 3 (or a 0-d param) while accumulating: the whole param, without the reduce
@@ -120,7 +122,7 @@ class ParamState:
         spec = self.spec
         local = _local(param).detach()
         if spec.is_scalar:
-            return collectives._to(local, spec.options.param_dtype)
+            return collectives._to(spec._on_device(local), spec.options.param_dtype)
         if spec.keep_unsharded:
             return self._reuse_or_gather(local, param)
         if torch.compiler.is_compiling():
@@ -153,7 +155,8 @@ class ParamState:
         if self.acc is not None or not self.param.requires_grad:
             return
         route = self.route
-        one = torch.zeros((), dtype=route.reduce_dtype, device=self.param.device)
+        device = self.spec.compute_device or self.param.device  # (param offload: the device's)
+        one = torch.zeros((), dtype=route.reduce_dtype, device=device)
         self.acc = one.expand(self.spec.shape).detach().requires_grad_(True)
 
 
@@ -308,6 +311,13 @@ def _states_of(optimizer: torch.optim.Optimizer) -> list[ParamState]:
     return [s for s in states if s is not None]
 
 
+def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """Param offload: the step writes host shards that device copies may still read."""
+    devices = {s.spec.compute_device for s in _states_of(optimizer)} - {None}
+    if devices:
+        param_offload.wait_for_device(devices)
+
+
 def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     roots: dict[int, tuple[RootState, set[int]]] = {}
     for state in _states_of(optimizer):
@@ -326,5 +336,6 @@ def _install_optimizer_hooks() -> None:
     from fczero import accumulation
 
     register_optimizer_step_pre_hook(accumulation.check_before_step)
+    register_optimizer_step_pre_hook(_before_step)
     register_optimizer_step_post_hook(_after_step)
     _hooks_installed = True

@@ -111,6 +111,8 @@ def train_parallel(
     from torch.distributed.device_mesh import init_device_mesh
 
     import fczero
+    from fczero.offload.params import full_tensor
+    from fczero.sharding import mesh_device
 
     torch.manual_seed(seed)
     model = build()
@@ -123,7 +125,7 @@ def train_parallel(
         from fczero.testing.backends import BACKENDS
 
         step_fn = torch.compile(model, backend=BACKENDS.get(compile_backend, compile_backend))
-    device = next(model.parameters()).device
+    device = mesh_device(mesh)  # (not the params': with offload_params they are on the host)
     data_rank, data_size = rank, world_size
     if data_axes is not None:
         data_rank, data_size = 0, 1
@@ -139,7 +141,7 @@ def train_parallel(
         return t / world_size
 
     losses = _train(model, step_fn, local, criterion, optimizer, lr, mean_over_ranks)
-    params = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
+    params = {n: full_tensor(p).detach().cpu() for n, p in model.named_parameters()}
     return Trace(losses, params)
 
 
