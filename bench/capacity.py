@@ -15,6 +15,7 @@ configurations (``bench.arms``, group ``memory`` plus FSDP2's plain arm):
 | fsdp2-cpuoffload | FSDP2 ``CPUOffloadPolicy``: params, grads, state on the host, step on CPU |
 | fczero-memory-eager | fczero eager, AdamW state in pinned host memory, step in 512 MiB chunks |
 | fczero-memory | fczero compiled, activation offload ``all`` (>= 1 MiB) and AdamW state offload |
+| fczero-params-offload | fczero compiled, activation offload ``all``, ``offload_params`` (step on CPU) |
 
 Writes ``capacity.jsonl`` (one line per arm and size) and ``capacity.md`` (the table:
 per size ms/step and peak GiB, or what failed; then the largest size that trained).
@@ -38,7 +39,9 @@ from fczero.models.llama import LlamaConfig
 
 logger = logging.getLogger("fczero.bench")
 
-DEFAULT_ARMS = "fsdp2-eager,fsdp2-cpuoffload,fczero-memory-eager,fczero-memory"
+DEFAULT_ARMS = (
+    "fsdp2-eager,fsdp2-cpuoffload,fczero-memory-eager,fczero-memory,fczero-params-offload"
+)
 SMOKE = ["--cpu", "--dim", "64", "--heads", "4", "--ffn", "172", "--vocab", "256",
          "--batch", "2", "--seq", "32"]  # fmt: skip
 

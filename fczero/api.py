@@ -223,7 +223,7 @@ def parallelize(
     # the code that uses them: a rank-dependent branch would pair unrelated collectives
     # before the eager check at the end of forward could name it. So checking turns it off.
     window = 0 if options.check_collectives else options.bucket_bytes * options.prefetch
-    model.__dict__["_fczero_prefetch"] = eager_prefetch.EagerPrefetch(window)
+    model.__dict__["_fczero_prefetch"] = eager_prefetch.EagerPrefetch(window, options.bucket_bytes)
     if options.check_collectives:
         consistency.enable(group_name, options.check_timeout_s)
         model.__dict__["_fczero_eager_log"] = consistency.EagerLog(

@@ -10,6 +10,10 @@ stream while the current module computes; it is waited when handed to the module
 If a forward asks for params in another order than recorded (a data-dependent
 branch), prefetching stops for that forward and the order is recorded anew.
 
+Replayed gathers are bucketed (``fczero.eager_buckets``): consecutive gathers up to
+``bucket_bytes`` go out as one all-gather, and their grads come back through one
+reduce-scatter.
+
 Gathers inside a selective activation-checkpointing region are never prefetched nor
 issue others: selective checkpointing records the ops a region runs in forward and
 expects the same ops when backward recomputes it, where nothing is prefetched. Such
@@ -26,7 +30,7 @@ import torch
 import torch.utils.checkpoint
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from fczero import collectives
+from fczero import collectives, eager_buckets
 
 if TYPE_CHECKING:
     from fczero.sharding import ShardSpec
@@ -52,9 +56,11 @@ def fits(ahead: int, size: int, window: int) -> bool:
 class EagerPrefetch:
     """Per-root state: the recorded gather order and one forward's prefetched gathers."""
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, bucket_bytes: int = 0) -> None:
         self.window = window
+        self.bucket_bytes = bucket_bytes
         self.order: list[Recorded] | None = None
+        self.bucket_of: dict[int, list[int]] = {}  # position -> its bucket (positions)
         self._seen: list[Recorded] = []
         self._ready: dict[int, torch.Tensor] = {}
         self._cursor = 0
@@ -78,25 +84,42 @@ class EagerPrefetch:
             )
             self._replaying = False  # what was prefetched belongs to other params: never use it
             return gather(spec, param)
+        if n in self.bucket_of and n not in self._ready:
+            self._issue(n, gather)  # the first member of a bucket not issued yet
         full = self._ready.pop(n, None)
         if full is None:
             full = gather(spec, param)
+        elif n in self.bucket_of:
+            full = eager_buckets.hand_off(spec, param, full)
         self._issue_ahead(n, gather)
         return full
+
+    def _issue(self, j: int, gather: Gather) -> int:
+        """Issue the j-th gather, or its whole bucket; returns the next position after it."""
+        bucket = self.bucket_of.get(j)
+        if bucket is None:
+            spec, param, _ = self.order[j]
+            self._ready[j] = gather(spec, param)
+            return j + 1
+        members = [(self.order[i][0], self.order[i][1]) for i in bucket]
+        for i, piece in zip(bucket, eager_buckets.gather_bucket(members)):
+            self._ready[i] = piece
+        return bucket[-1] + 1
 
     def _issue_ahead(self, n: int, gather: Gather) -> None:
         """Issue the gathers after the n-th while they fit in the window (at least one)."""
         ahead = sum(self._bytes(i) for i in self._ready if i > n)
         j = max(self._issued, n + 1)
         while j < len(self.order):
-            spec, param, in_place = self.order[j]
-            if not in_place:
-                size = self._bytes(j)
-                if not fits(ahead, size, self.window):
-                    break
-                self._ready[j] = gather(spec, param)
-                ahead += size
-            j += 1
+            if self.order[j][2] or j in self._ready:  # in place; or issued with its bucket
+                j += 1
+                continue
+            members = self.bucket_of.get(j, [j])
+            size = sum(self._bytes(i) for i in members)
+            if not fits(ahead, size, self.window):
+                break
+            j = self._issue(j, gather)
+            ahead += size
         self._issued = j
 
     def _bytes(self, i: int) -> int:
@@ -106,7 +129,9 @@ class EagerPrefetch:
     def finish(self) -> None:
         """End of forward: keep the order seen; wait for (and drop) unused prefetches."""
         if self._cursor:
-            self.order = self._seen
+            self.order = self._seen  # (a forward may also end early: plan every time)
+            buckets = eager_buckets.plan(self.order, self.bucket_bytes)
+            self.bucket_of = {i: bucket for bucket in buckets for i in bucket}
         for full in self._ready.values():
             collectives.settle(full)
         self._ready, self._seen, self._replaying = {}, [], False

@@ -1,0 +1,158 @@
+"""Eager bucketing: one all-gather for several params, and one reduce-scatter for their grads.
+
+[Note: eager buckets]
+Compiled graphs get their buckets from a graph pass; an eager forward has no graph, but
+from its second step on it has the order in which its params are gathered
+(``fczero.prefetch``), the same on every rank. ``plan`` cuts that order into buckets:
+runs of consecutive gathers of up to ``bucket_bytes`` unsharded bytes (at least one
+gather each) whose params share a process group and a gathered dtype. A 0-d param, a
+tensor-parallel one, one in host memory (``offload_params``) and any gather inside a
+selective-checkpointing region stay on their own.
+
+When the prefetcher reaches a bucket it issues it whole, through ``gather_bucket``:
+
+    forward:  pad and cast each shard -> concatenate -> one all_gather_into_tensor
+              -> per member, a [world, rows per rank x row size] view of the result
+    hand-off: the member's view -> its unsharded shape (a copy: each rank's rows are
+              apart in the gathered buffer) -> the module
+    backward: every member's grad, rank-major -> concatenate -> average -> one
+              reduce_scatter_tensor (HSDP: then one all-reduce) -> each shard's rows
+
+Autograd runs a node's backward once the grads of all its outputs are in, so the
+reduce-scatter waits for the last of its members' grads: a bucket of one block reduces
+when that block's backward is done. A member that is never handed off (the order
+changed mid-forward) receives a zero grad here, and its param is gathered on its own
+instead, so the sum is still right. The copy at hand-off gives every member its own
+storage, which the eager reshard hooks (``fczero.resharding``) key on: backward still
+regathers saved params one by one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+from fczero import collectives, consistency, resharding
+
+if TYPE_CHECKING:
+    from fczero.sharding import ShardSpec
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What the bucket's backward needs of one member."""
+
+    rows_per_rank: int
+    local_rows: int
+    row_shape: tuple[int, ...]  # dims after the first
+    shard_dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:  # one rank's padded rows, flattened
+        return self.rows_per_rank * math.prod(self.row_shape)
+
+
+def can_bucket(spec: ShardSpec) -> bool:
+    """Whether ``spec``'s gather may share a bucket (see the note for what may not)."""
+    return not spec.is_scalar and spec.tensor_parallel is None and spec.compute_device is None
+
+
+def bucket_key(spec: ShardSpec, param: torch.Tensor) -> tuple:
+    """Gathers may share a bucket only under equal keys (one group, one gathered dtype)."""
+    return (spec.group_name, spec.group_size, spec.replicate, spec.options.param_dtype or param.dtype)
+
+
+def plan(entries: list[tuple[ShardSpec, torch.Tensor, bool]], bucket_bytes: int) -> list[list[int]]:
+    """Buckets (lists of positions in ``entries``, the recorded gather order) of two or
+    more consecutive gathers; positions in no bucket are gathered on their own."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    key, size = None, 0
+    for i, (spec, param, in_place) in enumerate(entries):
+        ok = not in_place and can_bucket(spec)
+        nbytes = spec.unsharded_bytes(param)
+        this_key = bucket_key(spec, param) if ok else None
+        if current and (not ok or this_key != key or size + nbytes > bucket_bytes):
+            buckets.append(current)
+            current, size = [], 0
+        if ok:
+            current.append(i)
+            key, size = this_key, size + nbytes
+    if current:
+        buckets.append(current)
+    return [b for b in buckets if len(b) > 1]
+
+
+class _GatherBucket(torch.autograd.Function):
+    """All-gather of a bucket's shards in forward, reduce-scatter of their grads in backward."""
+
+    @staticmethod
+    def forward(ctx, spec0: ShardSpec, layouts: tuple[_Layout, ...], *shards):  # type: ignore[override]
+        opts = spec0.options
+        world = spec0.group_size
+        ctx.meta = (spec0, layouts)
+        pieces = []
+        for shard, layout in zip(shards, layouts):
+            pad = layout.rows_per_rank - layout.local_rows
+            if pad:
+                shard = F.pad(shard, [0, 0] * (shard.dim() - 1) + [0, pad])
+            pieces.append(collectives._to(shard, opts.param_dtype).reshape(-1))
+        gathered = collectives.all_gather(torch.cat(pieces), world, spec0.group_name)
+        by_rank = gathered.view(world, -1)
+        outs, offset = [], 0
+        for layout in layouts:
+            outs.append(by_rank[:, offset : offset + layout.numel])
+            offset += layout.numel
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        spec0, layouts = ctx.meta
+        opts = spec0.options
+        dtype = opts.reduce_dtype or grads[0].dtype
+        world = spec0.group_size
+        flat = torch.cat([g.to(dtype).reshape(world, -1) for g in grads], dim=1)
+        flat = collectives._average(flat, world, spec0.replicate)
+        reduced = collectives.reduce_scatter_sum(flat.reshape(-1), world, spec0.group_name)
+        reduced = collectives._over_replicas(reduced, spec0.replicate)
+        out, offset = [], 0
+        for layout in layouts:
+            piece = reduced[offset : offset + layout.numel]
+            offset += layout.numel
+            piece = piece.view(layout.rows_per_rank, *layout.row_shape)[: layout.local_rows]
+            out.append(collectives._to(piece, layout.shard_dtype))
+        return (None, None, *out)
+
+
+def gather_bucket(members: list[tuple[ShardSpec, torch.Tensor]]) -> list[torch.Tensor]:
+    """Issue one all-gather for ``members`` (``(spec, sharded param)``, one bucket); per
+    member, its slice of the result, to pass to ``hand_off`` (asynchronous in eager)."""
+    from fczero.sharding import _local
+
+    layouts = tuple(
+        _Layout(spec.rows_per_rank, spec.local_rows, tuple(spec.shape[1:]), param.dtype)
+        for spec, param in members
+    )
+    shards = [_local(param) for _, param in members]
+    return list(_GatherBucket.apply(members[0][0], layouts, *shards))
+
+
+def hand_off(spec: ShardSpec, param: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+    """A member's slice of its bucket -> the unsharded param (waits for the bucket)."""
+    consistency.note_gather(spec.shape, spec.options.param_dtype)
+    world = spec.group_size
+    full = piece.reshape(world * spec.rows_per_rank, *spec.shape[1:])
+    full = collectives.settle(full)
+    inner = full.elem if isinstance(full, AsyncCollectiveTensor) else full
+    if inner.untyped_storage().nbytes() != inner.numel() * inner.element_size():
+        full = full.clone()  # one rank: the reshape was a view; give it its own storage
+    if full.shape[0] != spec.shape[0]:
+        full = full.narrow(0, 0, spec.shape[0])
+    if not spec.keep_unsharded:
+        resharding.register_gathered(full, spec, param)
+    return full

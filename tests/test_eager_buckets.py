@@ -1,0 +1,106 @@
+"""Eager bucketing (``fczero/eager_buckets.py``): from the second forward on, consecutive
+gathers go out as one all-gather and their grads come back through one reduce-scatter,
+with numerics unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import fczero
+from fczero import eager_buckets
+from fczero.testing import parity
+from fczero.testing.comm import CollectiveLog
+from fczero.testing.distributed import run_on_ranks
+from tests.models import ThreeBlocks, UnevenTiedMLP, block_batches, tiny_llama, token_batches
+
+BLOCK = (512 * 512 + 512) * 4  # one ThreeBlocks block (weight + bias), fp32
+
+
+def _step_log(model: torch.nn.Module) -> tuple[list[str], list[str]]:
+    x = torch.randn(4, 512, requires_grad=True)
+    with CollectiveLog() as fwd:
+        loss = model(x).sum()
+    with CollectiveLog() as bwd:
+        loss.backward()
+    return fwd.ops, bwd.ops
+
+
+@pytest.mark.parametrize(
+    ("bucket_bytes", "forward", "reduces"),
+    [
+        (128 * 2**20, 1, 1),  # the default: the whole (3 MiB) model in one bucket
+        (BLOCK + 16384, 3, 3),  # a block each; the head (16 KiB) joins blocks.2
+        (BLOCK - 1, 6, 6),  # a weight and its bias no longer fit: only blocks.2.bias + head
+    ],
+)
+def test_second_forward_gathers_and_reduces_per_bucket(fake_pg, bucket_bytes, forward, reduces):
+    model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), bucket_bytes=bucket_bytes)
+    first_fwd, first_bwd = _step_log(model)  # records the order: one gather per param
+    assert first_fwd.count("all_gather_into_tensor") == 7
+    assert first_bwd.count("reduce_scatter_tensor") == 7
+    for _ in range(2):
+        fwd, bwd = _step_log(model)
+        assert fwd.count("all_gather_into_tensor") == forward
+        assert bwd.count("reduce_scatter_tensor") == reduces
+        assert bwd.count("all_gather_into_tensor") == 4  # regathers stay one per saved weight
+
+
+def test_no_buckets_without_prefetch_or_bucket_bytes(fake_pg):
+    for options in ({"prefetch": 0}, {"bucket_bytes": 0}):
+        model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), **options)
+        _step_log(model)
+        fwd, bwd = _step_log(model)
+        assert fwd.count("all_gather_into_tensor") == 7, options
+        assert bwd.count("reduce_scatter_tensor") == 7, options
+
+
+def test_plan_follows_bytes_and_leaves_checkpointed_gathers_alone(fake_pg):
+    """UnevenTiedMLP's recorded gathers: inp.weight (260 bytes), inp.bias (52),
+    hidden.weight (364), hidden.bias (28), frozen.weight (196), out.weight (140), out.bias
+    (20), back.weight (the tied inp.weight again, 260). The 0-d ``scale`` is replicated,
+    never gathered, so it is not in the order."""
+    model = fczero.parallelize(UnevenTiedMLP(), init_device_mesh("cpu", (2,)))
+    model(torch.randn(4, 5)).sum().backward()
+    order = model.__dict__["_fczero_prefetch"].order
+    assert [spec.unsharded_bytes(p) for spec, p, _ in order] == [260, 52, 364, 28, 196, 140, 20, 260]
+    assert eager_buckets.plan(order, 10**9) == [list(range(8))]
+    # 312 bytes: runs close when the next gather would not fit; runs of one are no bucket
+    assert eager_buckets.plan(order, 312) == [[0, 1], [3, 4], [5, 6]]
+    in_place = [(s, p, i == 4) for i, (s, p, _) in enumerate(order)]  # a checkpointed gather
+    assert eager_buckets.plan(in_place, 10**9) == [[0, 1, 2, 3], [5, 6, 7]]
+    assert eager_buckets.plan(order, 1) == []
+
+
+def _train(rank: int, world_size: int) -> list[parity.Trace]:
+    small = {"bucket_bytes": 700}  # cuts inside modules: many buckets of 2-3 gathers
+    return [
+        parity.train_parallel(rank, world_size, UnevenTiedMLP, _mlp_batches(), parity.mse),
+        parity.train_parallel(rank, world_size, UnevenTiedMLP, _mlp_batches(), parity.mse, **small),
+        parity.train_parallel(
+            rank, world_size, tiny_llama, token_batches(steps=4), parity.cross_entropy,
+            optimizer="adamw", lr=1e-3, bucket_bytes=40_000,
+        ),  # fmt: skip
+        parity.train_parallel(rank, world_size, ThreeBlocks, block_batches(steps=4), parity.mse),
+    ]
+
+
+def _mlp_batches():
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 5, generator=g), torch.randn(8, 13, generator=g)) for _ in range(4)]
+
+
+def test_bucketed_training_matches_the_reference():
+    """Four steps (three of them bucketed) on 2 gloo ranks: uneven shards, a tied weight,
+    a 0-d and a frozen param, buckets cut inside modules, Llama with AdamW."""
+    mlp, mlp_small, llama, blocks = run_on_ranks(_train, 2)[0]
+    expected_mlp = parity.train_reference(UnevenTiedMLP, _mlp_batches(), parity.mse)
+    parity.assert_close(mlp, expected_mlp, rtol=1e-5, atol=1e-6)
+    parity.assert_close(mlp_small, expected_mlp, rtol=1e-5, atol=1e-6)
+    expected = parity.train_reference(
+        tiny_llama, token_batches(steps=4), parity.cross_entropy, optimizer="adamw", lr=1e-3
+    )
+    parity.assert_close(llama, expected, rtol=1e-5, atol=1e-6)
+    expected = parity.train_reference(ThreeBlocks, block_batches(steps=4), parity.mse)
+    parity.assert_close(blocks, expected, rtol=1e-5, atol=1e-6)
