@@ -124,18 +124,16 @@ def parallelize(
     layout = resolve_mesh(mesh, options.axis, options.replicate_axis)
     dp_mesh = layout.shard_mesh
     owners = _validate_model(model, layout)
-    if options.stage != 3 and (
-        layout.replicate_axis is not None or any(isinstance(p, DTensor) for *_, p in owners)
-    ):
+    one_axis = layout.replicate_axis is None and not any(
+        isinstance(p, DTensor) for *_, p in owners
+    )  # no HSDP, no tensor-parallel params
+    if options.stage != 3 and not one_axis:
         raise ValueError(
             f"fczero: stage={options.stage} is not supported with HSDP (replicate_axis) or "
             "tensor-parallel params yet; use stage=3 (the default) on such meshes."
         )
-    if options.offload_params and (
-        options.stage != 3
-        or layout.replicate_axis is not None
-        or any(isinstance(p, DTensor) for *_, p in owners)
-    ):
+    plain_stage3 = options.stage == 3 and one_axis
+    if options.offload_params and not plain_stage3:
         raise ValueError(
             "fczero: offload_params=True needs stage=3 on a mesh without replicate or "
             "tensor-parallel axes; drop offload_params, or shard with stage=3 over one axis."
@@ -150,11 +148,7 @@ def parallelize(
         )
 
     meta_plan = meta_device_init.plan(model, init_fn, meta_init)
-    if meta_plan is not None and (
-        options.stage != 3
-        or layout.replicate_axis is not None
-        or any(isinstance(p, DTensor) for *_, p in owners)
-    ):
+    if meta_plan is not None and not plain_stage3:
         raise ValueError(
             "fczero: a model on the meta device can be initialized by parallelize only with "
             "stage=3 on a mesh without replicate or tensor-parallel axes; for the others, "

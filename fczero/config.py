@@ -41,8 +41,10 @@ class ShardingOptions:
 
     bucket_bytes: int = 128 * 2**20
     """Most bytes (unsharded side) one bucketed all-gather or reduce-scatter may carry.
-    Buckets hold whole model blocks (``layers.3``) while they fit. 0: no bucketing
-    (and no eager prefetch, whose window is ``prefetch * bucket_bytes``).
+    Compiled graphs: buckets hold whole model blocks (``layers.3``) while they fit.
+    Eager (from the second forward, with prefetch on): runs of consecutive gathers up
+    to this size (``fczero/eager_buckets.py``). 0: no bucketing (and no eager
+    prefetch, whose window is ``prefetch * bucket_bytes``).
     128 MiB (one block of the 953M benchmark model) against 256 MiB measured 2% slower
     with 0.42 GiB less peak memory (docs/benchmarks.md)."""
 

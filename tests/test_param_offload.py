@@ -38,20 +38,19 @@ def test_on_a_cpu_mesh_the_shards_stay_and_it_says_so(fake_pg, caplog):
     assert all(p.grad is not None for p in model.parameters())
 
 
+ADAMW = {"optimizer": "adamw", "lr": 1e-3}
+
+
+def _llama_run():
+    return tiny_llama, token_batches(steps=3), parity.cross_entropy
+
+
 def _offload_llama(rank: int, world_size: int) -> list[parity.Trace]:
     return [
         parity.train_parallel(
-            rank,
-            world_size,
-            tiny_llama,
-            token_batches(steps=3),
-            parity.cross_entropy,
-            optimizer="adamw",
-            lr=1e-3,
-            device_type="cuda",
-            compile_backend=backend,
-            offload_params=True,
-        )
+            rank, world_size, *_llama_run(), **ADAMW,
+            device_type="cuda", compile_backend=backend, offload_params=True,
+        )  # fmt: skip
         for backend in (None, "inductor")
     ]
 
@@ -67,14 +66,7 @@ def offloaded_llama():
 @pytest.mark.parametrize("mode", ["eager", "inductor"])
 def test_training_matches_the_reference(offloaded_llama, mode):
     """AdamW steps on the host here and on the device in the reference: fp32 tolerance."""
-    expected = parity.train_reference(
-        tiny_llama,
-        token_batches(steps=3),
-        parity.cross_entropy,
-        optimizer="adamw",
-        lr=1e-3,
-        device="cuda",
-    )
+    expected = parity.train_reference(*_llama_run(), **ADAMW, device="cuda")
     for traces in offloaded_llama:
         parity.assert_close(traces[0 if mode == "eager" else 1], expected, rtol=1e-4, atol=1e-5)
 
