@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from fczero import consistency, guards, resharding, stages, unsharding
+from fczero import consistency, guards, memory, resharding, stages, unsharding
 from fczero import meta_init as meta_device_init
 from fczero import prefetch as eager_prefetch
 from fczero.config import ShardingOptions
@@ -302,7 +302,7 @@ def _move_buffers(model: nn.Module, mesh: DeviceMesh) -> None:
 def _install_passes(
     mesh: DeviceMesh, options: ShardingOptions, replicate: DeviceMesh | None = None
 ) -> None:
-    budget = unsharding.device_budget(mesh_device(mesh), options.memory_budget)
+    budget = memory.device_budget(mesh_device(mesh), options.memory_budget)
     registry.register(
         mesh.get_group().group_name,
         bucket_bytes=options.bucket_bytes,

@@ -58,8 +58,9 @@ class ShardingOptions:
     """Device bytes fczero plans within. Compiled graphs: what a graph may allocate at
     its peak beyond its inputs (estimated from shapes) once gathers are prefetched and
     activations offloaded. ``unsharded_budget="auto"``: what the whole step may peak at
-    (measured) once params are kept. None: 90% of the accelerator's memory, unlimited
-    on CPU."""
+    (measured) once params are kept. ``offload_optimizer_states(device_bytes="auto")``:
+    what forward and backward (measured) plus the states kept on the device may take.
+    None: 90% of the accelerator's memory, unlimited on CPU."""
 
     unsharded_budget: int | str = 0
     """Bytes of unsharded params that may stay gathered from forward to backward

@@ -6,6 +6,10 @@ until the last use of it or of any view of it; views (and ``wait_tensor``, which
 returns its input) own no bytes of their own. Graph inputs are alive throughout.
 This is an estimate from shapes: it ignores the allocator's rounding and caching,
 and memory outside the graph (optimizer state, other graphs' activations).
+
+Two helpers read the device instead, for the plans made from measurement (automatic
+selective unsharding, optimizer states kept on the device): the allocator's peak, and
+the budget ``memory_budget`` stands for when it is not given.
 """
 
 from __future__ import annotations
@@ -109,3 +113,18 @@ def live_bytes(
 def peak_bytes(graph: fx.Graph, ignore: set[fx.Node] | frozenset[fx.Node] = frozenset()) -> int:
     """The largest number of bytes alive at any node (``ignore`` as in ``live_bytes``)."""
     return max(live_bytes(graph, ignore), default=0)
+
+
+def peak_allocated(device: torch.device) -> int | None:
+    """Most bytes the device's allocator has held (since start or the last reset); None
+    where the device keeps no such count (CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return None
+
+
+def device_budget(device: torch.device, memory_budget: int | None) -> int | None:
+    """``memory_budget``, or by default 90% of the accelerator's memory (None on CPU)."""
+    if memory_budget is not None or device.type == "cpu":
+        return memory_budget
+    return int(0.9 * torch.get_device_module(device).get_device_properties(device).total_memory)

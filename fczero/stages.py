@@ -305,6 +305,13 @@ def refresh_params(model: nn.Module) -> None:
     refresh(root.params)
 
 
+def options_of(param: torch.Tensor) -> ShardingOptions | None:
+    """The ``parallelize`` options of the model that owns sharded ``param`` (else None)."""
+    ref = _STATES.get(param)
+    state = ref() if ref is not None else None
+    return state.root.options if state is not None else None
+
+
 def _states_of(optimizer: torch.optim.Optimizer) -> list[ParamState]:
     refs = [_STATES.get(p) for group in optimizer.param_groups for p in group["params"]]
     states = [ref() for ref in refs if ref is not None]

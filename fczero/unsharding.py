@@ -59,6 +59,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from fczero.memory import device_budget, peak_allocated
+
 if TYPE_CHECKING:
     import torch.nn as nn
 
@@ -136,21 +138,6 @@ def describe(plan: KeptPlan) -> str:
         f"({', '.join(plan.blocks)}), {plan.kept_bytes / 2**20:.1f} MiB of "
         f"{plan.budget / 2**20:.1f} MiB ({plan.source})"
     )
-
-
-def peak_allocated(device: torch.device) -> int | None:
-    """Most bytes the device's allocator has held (since start or the last reset); None
-    where the device keeps no such count (CPU)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return None
-
-
-def device_budget(device: torch.device, memory_budget: int | None) -> int | None:
-    """``memory_budget``, or by default 90% of the accelerator's memory (None on CPU)."""
-    if memory_budget is not None or device.type == "cpu":
-        return memory_budget
-    return int(0.9 * torch.get_device_module(device).get_device_properties(device).total_memory)
 
 
 class AutoUnsharding:

@@ -124,6 +124,76 @@ def test_device_bytes_keeps_the_first_states():
     assert not any(name.startswith("group0.param0.") for name in handle.summary.offloaded)
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 256])
+def test_auto_device_bytes_keeps_what_the_budget_leaves_above_the_peak(
+    monkeypatch, caplog, chunk_bytes
+):
+    """``device_bytes="auto"``: the peak before the first step (injected: CPU has none)
+    leaves room for inp.weight's two states (260 bytes each), as in the test above."""
+    from fczero.offload import optimizer as optimizer_offload
+
+    peaks = []
+    monkeypatch.setattr(optimizer_offload, "peak_allocated", lambda device: peaks.append(device) or 10**6)
+    torch.manual_seed(0)
+    model = UnevenTiedMLP()
+    ref_model, off_model = model, copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(off_model.parameters(), lr=1e-2)
+    handle = fczero.offload_optimizer_states(
+        opt, device_bytes="auto", memory_budget=10**6 + 2 * 260 + 3, chunk_bytes=chunk_bytes
+    )
+    with caplog.at_level(logging.INFO, logger="fczero"):
+        _train(off_model, opt, 3)
+    _train(ref_model, ref_opt, 3)
+    assert len(peaks) == 1  # read once, before the first step
+    assert handle.summary.kept == ["group0.param1.exp_avg", "group0.param1.exp_avg_sq"]
+    assert "= 0.0 MiB of states kept" in handle.summary.sizing  # 523 bytes
+    assert "optimizer-state offload: auto: memory_budget" in caplog.text
+    for p_ref, p_off in zip(ref_model.parameters(), off_model.parameters()):
+        assert torch.equal(p_ref, p_off)  # offloading never changes the numbers
+
+
+def test_auto_device_bytes_without_a_budget_or_peak_offloads_everything(caplog):
+    torch.manual_seed(0)
+    model = UnevenTiedMLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    handle = fczero.offload_optimizer_states(opt, device_bytes="auto")
+    with caplog.at_level(logging.INFO, logger="fczero"):
+        _train(model, opt, 1)
+    assert handle.summary.kept == [] and handle.summary.offloaded
+    assert handle.summary.sizing == "auto: no memory_budget on cpu, every state offloaded"
+    opt2 = torch.optim.AdamW(UnevenTiedMLP().parameters(), lr=1e-2)
+    handle2 = fczero.offload_optimizer_states(opt2, device_bytes="auto", memory_budget=10**9)
+    _train(model, opt2, 0)
+    assert handle2.summary.sizing == ""  # decided at the first step, not before
+    model2 = UnevenTiedMLP()
+    opt3 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    handle3 = fczero.offload_optimizer_states(opt3, device_bytes="auto", memory_budget=10**9)
+    _train(model2, opt3, 1)
+    assert handle3.summary.sizing == "auto: no allocator peak on cpu, every state offloaded"
+    assert handle3.summary.kept == []
+
+
+def test_auto_device_bytes_takes_the_parallelized_models_budget(fake_pg, monkeypatch):
+    """One budget: without its own, the offload plans within parallelize's memory_budget."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fczero.offload import optimizer as optimizer_offload
+
+    monkeypatch.setattr(optimizer_offload, "peak_allocated", lambda device: 3 * 2**20)
+    model = fczero.parallelize(
+        UnevenTiedMLP(), init_device_mesh("cpu", (2,)), memory_budget=5 * 2**20
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    handle = fczero.offload_optimizer_states(opt, device_bytes="auto")
+    _train(model, opt, 1)
+    assert handle.summary.sizing == (
+        "auto: memory_budget 5.0 MiB - peak before the first step 3.0 MiB = 2.0 MiB of "
+        "states kept"
+    )
+    assert handle.summary.offloaded == [] and handle.summary.kept  # all states fit
+
+
 def test_state_dict_round_trip_and_remove():
     torch.manual_seed(0)
     model = UnevenTiedMLP()
@@ -167,6 +237,12 @@ def test_bad_inputs_are_clear_errors():
         fczero.offload_optimizer_states(object())
     with pytest.raises(ValueError, match="device_bytes must be an int >= 0"):
         fczero.offload_optimizer_states(opt, device_bytes=-1)
+    with pytest.raises(ValueError, match=r"or 'auto' \(sized from memory_budget\), got 'all'"):
+        fczero.offload_optimizer_states(opt, device_bytes="all")
+    with pytest.raises(ValueError, match="memory_budget .* sizes device_bytes='auto' and nothing else"):
+        fczero.offload_optimizer_states(opt, device_bytes=0, memory_budget=10**9)
+    with pytest.raises(ValueError, match="got memory_budget=-1"):
+        fczero.offload_optimizer_states(opt, device_bytes="auto", memory_budget=-1)
     with pytest.raises(ValueError, match="chunk_bytes must be None"):
         fczero.offload_optimizer_states(opt, chunk_bytes=0)
     with pytest.raises(TypeError, match="pin_memory"):

@@ -21,7 +21,13 @@ States keep their identity: the state tensors (or, for DTensor states, their loc
 tensors) have their ``.data`` swapped, so ``optimizer.state`` and ``state_dict()`` stay
 valid (between steps they hold host tensors, which is what a checkpoint wants).
 ``device_bytes`` lets the first states (in parameter order) up to that many bytes stay
-on the device. On a machine without CUDA nothing needs moving; the states are still
+on the device. ``device_bytes="auto"`` sizes that from ``memory_budget`` (default: the
+``memory_budget`` of the model ``parallelize`` sharded these params for, else 90% of the
+device) at the first step: right before it, the allocator's peak so far is what
+forward and backward need without any state on the device, so what the budget leaves
+above it may hold states (DeepCompile's adaptive offload; CUDA only: elsewhere every
+state is offloaded, and the log says why). The decision is this rank's own: no
+collective depends on it. On a machine without CUDA nothing needs moving; the states are still
 copied to separate host buffers (so the mechanism runs everywhere) and a warning says
 once that no memory is saved.
 """
@@ -34,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
+from fczero.memory import device_budget, peak_allocated
 from fczero.offload import streams
 
 logger = logging.getLogger("fczero")
@@ -60,6 +67,7 @@ class OptimizerOffloadSummary:
     offloaded_bytes: int = 0
     kept_bytes: int = 0
     chunks: int = 1
+    sizing: str = ""  # how device_bytes was chosen ("auto": from which numbers)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -72,12 +80,15 @@ class OptimizerOffload:
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        device_bytes: int,
+        device_bytes: int | str,
         pin: bool,
         chunk_bytes: int | None,
+        memory_budget: int | None = None,
     ) -> None:
         self.optimizer = optimizer
-        self.device_bytes = device_bytes
+        self.auto = device_bytes == "auto"
+        self.device_bytes = 0 if self.auto else device_bytes
+        self.memory_budget = memory_budget
         self.pin = pin
         self.chunk_bytes = chunk_bytes
         self.summary = OptimizerOffloadSummary()
@@ -207,10 +218,37 @@ class OptimizerOffload:
         for device in {s.device for s in self.slots or () if s.device.type == "cuda"}:
             streams.side_stream(device).synchronize()
 
+    def _size_from_budget(self) -> None:
+        """``device_bytes="auto"``, once, before the first step (see the module docstring)."""
+        if not self.auto or self.summary.sizing:
+            return
+        from fczero.stages import options_of  # (stages imports fczero.offload)
+
+        params = [p for _, p in self._params()]
+        device = _local(params[0]).device if params else torch.device("cpu")
+        budget = self.memory_budget
+        if budget is None and params:  # the parallelized model's budget, if it has one
+            options = options_of(params[0])
+            budget = options.memory_budget if options is not None else None
+        budget = device_budget(device, budget)
+        peak = peak_allocated(device)
+        if budget is None or peak is None:
+            self.device_bytes = 0
+            why = "no memory_budget" if budget is None else "no allocator peak"
+            self.summary.sizing = f"auto: {why} on {device.type}, every state offloaded"
+        else:
+            self.device_bytes = max(0, budget - peak)
+            self.summary.sizing = (
+                f"auto: memory_budget {budget / 2**20:.1f} MiB - peak before the first step "
+                f"{peak / 2**20:.1f} MiB = {self.device_bytes / 2**20:.1f} MiB of states kept"
+            )
+        logger.info("optimizer-state offload: %s", self.summary.sizing)
+
     # -- the step --------------------------------------------------------------------
     def _before_step(self, optimizer, args, kwargs) -> None:
         if self._inside_chunks:
             return
+        self._size_from_budget()
         self._wait_for(self._reload(self._params()) + self._take_prefetched())
 
     def _after_step(self, optimizer, args, kwargs) -> None:
@@ -236,6 +274,7 @@ class OptimizerOffload:
     def _chunked_step(self, closure=None):
         if closure is not None:
             return self._whole_step(closure)
+        self._size_from_budget()
         opt = self.optimizer
         groups = opt.param_groups
         all_params = [list(g["params"]) for g in groups]
@@ -269,7 +308,7 @@ class OptimizerOffload:
         """Loaded states are new tensors on the params' devices: plan again after the next step."""
         self.wait()
         self._planned = {}
-        self.summary = OptimizerOffloadSummary()
+        self.summary = OptimizerOffloadSummary(sizing=self.summary.sizing)
 
     def remove(self) -> None:
         """Bring every state back to its device for good and take the hooks off."""
@@ -290,9 +329,10 @@ class OptimizerOffload:
 def offload_optimizer_states(
     optimizer: torch.optim.Optimizer,
     *,
-    device_bytes: int = 0,
+    device_bytes: int | str = 0,
     chunk_bytes: int | None = None,
     pin_memory: bool = True,
+    memory_budget: int | None = None,
 ) -> OptimizerOffload:
     """Keep ``optimizer``'s tensor states in host memory between steps (see the module doc).
 
@@ -300,12 +340,15 @@ def offload_optimizer_states(
         optimizer: any ``torch.optim.Optimizer`` (its states may be plain tensors or
             DTensors, as under ``fczero.parallelize``). Call this once, before training.
         device_bytes: bytes of state (the first, in parameter order) that stay on the
-            device; 0 offloads every tensor state.
+            device; 0 offloads every tensor state; ``"auto"``: what ``memory_budget``
+            leaves above the peak before the first step (CUDA; elsewhere 0).
         chunk_bytes: step in chunks of about this many bytes of parameters, streaming each
             chunk's states in and out (the step then never holds all states on the
             device). None: one whole step, with all offloaded states brought in for it.
         pin_memory: use pinned host buffers (needed for copies that overlap with compute);
             if pinning fails the buffers are pageable and a warning says so.
+        memory_budget: with ``device_bytes="auto"``: device bytes to plan within
+            (default: the parallelized model's ``memory_budget``, else 90% of the device).
 
     Returns:
         the :class:`OptimizerOffload` handle: ``prefetch()`` starts the copy back early,
@@ -317,10 +360,23 @@ def offload_optimizer_states(
             "fczero.offload_optimizer_states needs a torch.optim.Optimizer, got "
             f"{type(optimizer).__name__}."
         )
-    if isinstance(device_bytes, bool) or not isinstance(device_bytes, int) or device_bytes < 0:
+    if device_bytes != "auto" and (
+        isinstance(device_bytes, bool) or not isinstance(device_bytes, int) or device_bytes < 0
+    ):
         raise ValueError(
-            f"fczero: device_bytes must be an int >= 0 (bytes of state kept on the device), "
-            f"got {device_bytes!r}."
+            f"fczero: device_bytes must be an int >= 0 (bytes of state kept on the device) "
+            f"or 'auto' (sized from memory_budget), got {device_bytes!r}."
+        )
+    if memory_budget is not None and (
+        device_bytes != "auto"
+        or isinstance(memory_budget, bool)
+        or not isinstance(memory_budget, int)
+        or memory_budget < 0
+    ):
+        raise ValueError(
+            "fczero: memory_budget (an int >= 0, in bytes) sizes device_bytes='auto' and "
+            f"nothing else; got memory_budget={memory_budget!r} with device_bytes="
+            f"{device_bytes!r}."
         )
     if chunk_bytes is not None and (
         isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0
@@ -336,6 +392,6 @@ def offload_optimizer_states(
             "fczero: this optimizer's states are already offloaded; call "
             "offload_optimizer_states once per optimizer (or .remove() the first handle)."
         )
-    handle = OptimizerOffload(optimizer, device_bytes, pin_memory, chunk_bytes)
+    handle = OptimizerOffload(optimizer, device_bytes, pin_memory, chunk_bytes, memory_budget)
     optimizer.__dict__.setdefault("_fczero_offload", []).append(handle)
     return handle

@@ -69,6 +69,8 @@ class MemoryReport:
                 f"{len(self.optimizer.kept)} ({_mib(self.optimizer.kept_bytes)}) kept on "
                 "the device (device_bytes)"
             )
+            if self.optimizer.sizing:
+                lines.append(f"  device_bytes: {self.optimizer.sizing}")
         if self.unsharding is not None:
             lines.append(f"selective unsharding: {self.unsharding}")
         planned = max((p.peak_after for p in self.plans), default=None)
