@@ -328,7 +328,8 @@ def _root_pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     if torch.compiler.is_compiling():
         return args, kwargs
     if options.reshard_after_forward and options.stage == 3:  # stages 1/2 gather nothing
-        scope = resharding.reshard_scope(module.__dict__["_fczero_prefetch"].window)
+        prefetcher = module.__dict__["_fczero_prefetch"]
+        scope = resharding.reshard_scope(prefetcher.window, prefetcher.bucket_bytes)
         scope.__enter__()
         module.__dict__["_fczero_scope"] = scope
     if eager_prefetch.active is None:  # the outermost parallelized root prefetches

@@ -23,8 +23,12 @@ reduce-scatter waits for the last of its members' grads: a bucket of one block r
 when that block's backward is done. A member that is never handed off (the order
 changed mid-forward) receives a zero grad here, and its param is gathered on its own
 instead, so the sum is still right. The copy at hand-off gives every member its own
-storage, which the eager reshard hooks (``fczero.resharding``) key on: backward still
-regathers saved params one by one.
+storage, which the eager reshard hooks (``fczero.resharding``) key on.
+
+Backward's regathers of saved params are bucketed the same way (``regather_bucket``,
+no autograd): ``plan`` cuts the list of saved params, in the order first saved, and a
+regather issues its member's whole bucket; each member is copied out (``unsharded``)
+when backward unpacks it. These buckets exist from the first step on.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
 
 from fczero import collectives, consistency, resharding
 
@@ -88,27 +93,41 @@ def plan(entries: list[tuple[ShardSpec, torch.Tensor, bool]], bucket_bytes: int)
     return [b for b in buckets if len(b) > 1]
 
 
+def _gather_flat(
+    spec0: ShardSpec, layouts: tuple[_Layout, ...], shards: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """One all-gather of the padded, cast shards laid end to end; per member, its
+    ``[world, numel]`` view of the result (asynchronous in eager)."""
+    world = spec0.group_size
+    pieces = []
+    for shard, layout in zip(shards, layouts):
+        pad = layout.rows_per_rank - layout.local_rows
+        if pad:
+            shard = F.pad(shard, [0, 0] * (shard.dim() - 1) + [0, pad])
+        pieces.append(collectives._to(shard, spec0.options.param_dtype).reshape(-1))
+    gathered = collectives.all_gather(torch.cat(pieces), world, spec0.group_name)
+    by_rank = gathered.view(world, -1)
+    outs, offset = [], 0
+    for layout in layouts:
+        outs.append(by_rank[:, offset : offset + layout.numel])
+        offset += layout.numel
+    return outs
+
+
+def _layouts(members: list[tuple[ShardSpec, torch.Tensor]]) -> tuple[_Layout, ...]:
+    return tuple(
+        _Layout(spec.rows_per_rank, spec.local_rows, tuple(spec.shape[1:]), param.dtype)
+        for spec, param in members
+    )
+
+
 class _GatherBucket(torch.autograd.Function):
     """All-gather of a bucket's shards in forward, reduce-scatter of their grads in backward."""
 
     @staticmethod
     def forward(ctx, spec0: ShardSpec, layouts: tuple[_Layout, ...], *shards):  # type: ignore[override]
-        opts = spec0.options
-        world = spec0.group_size
         ctx.meta = (spec0, layouts)
-        pieces = []
-        for shard, layout in zip(shards, layouts):
-            pad = layout.rows_per_rank - layout.local_rows
-            if pad:
-                shard = F.pad(shard, [0, 0] * (shard.dim() - 1) + [0, pad])
-            pieces.append(collectives._to(shard, opts.param_dtype).reshape(-1))
-        gathered = collectives.all_gather(torch.cat(pieces), world, spec0.group_name)
-        by_rank = gathered.view(world, -1)
-        outs, offset = [], 0
-        for layout in layouts:
-            outs.append(by_rank[:, offset : offset + layout.numel])
-            offset += layout.numel
-        return tuple(outs)
+        return tuple(_gather_flat(spec0, layouts, list(shards)))
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
@@ -134,25 +153,35 @@ def gather_bucket(members: list[tuple[ShardSpec, torch.Tensor]]) -> list[torch.T
     member, its slice of the result, to pass to ``hand_off`` (asynchronous in eager)."""
     from fczero.sharding import _local
 
-    layouts = tuple(
-        _Layout(spec.rows_per_rank, spec.local_rows, tuple(spec.shape[1:]), param.dtype)
-        for spec, param in members
-    )
     shards = [_local(param) for _, param in members]
-    return list(_GatherBucket.apply(members[0][0], layouts, *shards))
+    return list(_GatherBucket.apply(members[0][0], _layouts(members), *shards))
 
 
-def hand_off(spec: ShardSpec, param: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
-    """A member's slice of its bucket -> the unsharded param (waits for the bucket)."""
-    consistency.note_gather(spec.shape, spec.options.param_dtype)
-    world = spec.group_size
-    full = piece.reshape(world * spec.rows_per_rank, *spec.shape[1:])
+@torch.no_grad()
+def regather_bucket(members: list[tuple[ShardSpec, torch.Tensor]]) -> list[torch.Tensor]:
+    """Backward's regather of a bucket of saved params (no autograd: nothing reduces
+    through it); per member, its slice, to pass to ``unsharded``."""
+    shards = [p.to_local() if isinstance(p, DTensor) else p for _, p in members]
+    return _gather_flat(members[0][0], _layouts(members), shards)
+
+
+def unsharded(spec: ShardSpec, piece: torch.Tensor) -> torch.Tensor:
+    """A member's slice of its bucket -> the unsharded param, in storage of its own
+    (waits for the bucket)."""
+    full = piece.reshape(spec.group_size * spec.rows_per_rank, *spec.shape[1:])
     full = collectives.settle(full)
     inner = full.elem if isinstance(full, AsyncCollectiveTensor) else full
     if inner.untyped_storage().nbytes() != inner.numel() * inner.element_size():
         full = full.clone()  # one rank: the reshape was a view; give it its own storage
     if full.shape[0] != spec.shape[0]:
         full = full.narrow(0, 0, spec.shape[0])
+    return full
+
+
+def hand_off(spec: ShardSpec, param: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+    """A member's slice of its bucket -> the unsharded param for the module."""
+    consistency.note_gather(spec.shape, spec.options.param_dtype)
+    full = unsharded(spec, piece)
     if not spec.keep_unsharded:
         resharding.register_gathered(full, spec, param)
     return full

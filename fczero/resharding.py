@@ -19,6 +19,10 @@ window in unsharded bytes (at least one), so the next all-gather runs while this
 layer's grads are computed; each is waited when it is unpacked, and any that backward
 never unpacks are waited when backward ends (a callback queued on the autograd engine).
 
+With eager buckets on (``fczero.eager_buckets``), the saved params are cut into buckets
+along that list, as forward's gathers are: a regather issues its whole bucket as one
+all-gather, and each member is copied out when it is unpacked.
+
 Backward walks the autograd graph in the same order on every rank, and the prefetch
 decisions use only that order and global shapes, so the regathers are issued in the
 same order everywhere. Under ``torch.compile`` none of this runs:
@@ -37,7 +41,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fczero import collectives, prefetch
+from fczero import collectives, eager_buckets, prefetch
 
 if TYPE_CHECKING:
     from fczero.sharding import ShardSpec
@@ -61,6 +65,13 @@ class _Recipe:
 
 
 @dataclass
+class _Piece:
+    """A regathered member's slice of its bucket, not yet copied out."""
+
+    tensor: torch.Tensor
+
+
+@dataclass
 class _DTensorRecipe:
     """Packed stand-in for a saved DTensor whose local tensor views an unsharded param."""
 
@@ -75,8 +86,11 @@ class _Scope:
     """Unsharded params gathered during one eager forward, keyed by storage, and the
     backward regathers of the ones saved for backward (see the module docstring)."""
 
-    def __init__(self, window: int = 0) -> None:
+    def __init__(self, window: int = 0, bucket_bytes: int = 0) -> None:
         self.window = window  # unsharded bytes of backward regathers issued ahead
+        self.bucket_bytes = bucket_bytes  # regather buckets (with a window only)
+        self.bucket_of: dict[int, list[int]] = {}  # saved position -> its bucket
+        self._planned = -1  # len(saved) when bucket_of was planned
         self.live: dict[int, _Gathered] = {}
         self.regathered: dict[int, weakref.ref[torch.Tensor]] = {}
         self.saved: list[_Gathered] = []  # packed params, in the order first saved
@@ -127,14 +141,55 @@ class _Scope:
         full = ref() if ref is not None else None
         if full is None:
             prefetched = self.ahead.pop(key, None)
-            full = collectives.settle(prefetched[1] if prefetched else self._issue(entry))
+            pending = prefetched[1] if prefetched else self._issue(self.position[key])
+            full = self._finish(entry, pending)
             self.regathered[key] = weakref.ref(full)
         self._issue_ahead(self.position[key])
         return full
 
-    def _issue(self, entry: _Gathered) -> torch.Tensor:
-        self.issued.add(id(entry))
-        return entry.spec.regather(entry.param)
+    @staticmethod
+    def _finish(entry: _Gathered, pending: torch.Tensor | _Piece) -> torch.Tensor:
+        if isinstance(pending, _Piece):
+            return eager_buckets.unsharded(entry.spec, pending.tensor)
+        return collectives.settle(pending)
+
+    def _buckets(self) -> dict[int, list[int]]:
+        """Regather buckets over the saved list (planned again if it grew)."""
+        if self._planned != len(self.saved):
+            self._planned = len(self.saved)
+            entries = [(e.spec, e.param, False) for e in self.saved]
+            plan = eager_buckets.plan(entries, self.bucket_bytes) if self.window > 0 else []
+            self.bucket_of = {i: bucket for bucket in plan for i in bucket}
+        return self.bucket_of
+
+    def _issue(self, position: int) -> torch.Tensor | _Piece:
+        """Regather the param saved at ``position``, or its whole bucket (the other
+        members then wait in ``ahead``); returns that param's pending regather."""
+        entry = self.saved[position]
+        bucket = self._buckets().get(position)
+        if bucket is None:
+            self.issued.add(id(entry))
+            return entry.spec.regather(entry.param)
+        members = [self.saved[i] for i in bucket]
+        pieces = eager_buckets.regather_bucket([(e.spec, e.param) for e in members])
+        mine: _Piece | None = None
+        for member, piece in zip(members, pieces):
+            self.issued.add(id(member))
+            if member is entry:
+                mine = _Piece(piece)
+            else:
+                self._hold(member, _Piece(piece))
+        return mine
+
+    def _hold(self, entry: _Gathered, pending: torch.Tensor | _Piece) -> None:
+        """Keep a regather issued ahead until its unpack; waited at the end of backward
+        if it is never unpacked (at once when no backward is running)."""
+        if torch._C._current_graph_task_id() == -1:
+            collectives.settle(pending.tensor if isinstance(pending, _Piece) else pending)
+        self.ahead[id(entry)] = (entry, pending)
+        if not self.draining and torch._C._current_graph_task_id() != -1:
+            self.draining = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._drain)
 
     def _issue_ahead(self, position: int) -> None:
         """Issue the regathers of params saved before ``position``, latest first, while
@@ -142,18 +197,17 @@ class _Scope:
         if self.window <= 0 or torch._C._current_graph_task_id() == -1:
             return  # prefetch off, or unpacked outside backward (no end to wait at)
         ahead = sum(self._bytes(e) for e, _ in self.ahead.values())
+        buckets = self._buckets()
         for i in range(position - 1, -1, -1):  # no slice: this runs at every unpack
             entry = self.saved[i]
             if id(entry) in self.issued:
                 continue
-            size = self._bytes(entry)
+            members = buckets.get(i, [i])
+            size = sum(self._bytes(self.saved[j]) for j in members)
             if not prefetch.fits(ahead, size, self.window):
                 break
-            self.ahead[id(entry)] = (entry, self._issue(entry))
+            self._hold(entry, self._issue(i))
             ahead += size
-            if not self.draining:
-                self.draining = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._drain)
 
     @staticmethod
     def _bytes(entry: _Gathered) -> int:
@@ -162,8 +216,8 @@ class _Scope:
     def _drain(self) -> None:
         """End of backward: wait for the prefetched regathers nobody unpacked; a later
         backward over the same graph (``retain_graph``) may regather everything again."""
-        for _, full in self.ahead.values():
-            collectives.settle(full)
+        for _, pending in self.ahead.values():
+            collectives.settle(pending.tensor if isinstance(pending, _Piece) else pending)
         self.ahead, self.issued, self.draining = {}, set(), False
 
 
@@ -180,14 +234,15 @@ def register_gathered(full: torch.Tensor, spec: ShardSpec, param: torch.Tensor) 
 
 
 @contextlib.contextmanager
-def reshard_scope(window: int = 0):
+def reshard_scope(window: int = 0, bucket_bytes: int = 0):
     """Active around one eager forward of a parallelized root (nested roots join the
-    outer); ``window``: unsharded bytes of backward regathers issued ahead (0: none)."""
+    outer); ``window``: unsharded bytes of backward regathers issued ahead (0: none);
+    ``bucket_bytes``: regather buckets (eager_buckets; only with a window)."""
     global _active
     if _active is not None:
         yield
         return
-    scope = _Scope(window)
+    scope = _Scope(window, bucket_bytes)
     _active = scope
     try:
         with torch.autograd.graph.saved_tensors_hooks(scope.pack, scope.unpack):

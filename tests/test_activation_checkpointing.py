@@ -109,8 +109,9 @@ def _count_gathers(rank: int, world_size: int, mode: str, reshard: bool):
 # (mode, reshard_after_forward) -> backward all-gathers expected
 GATHER_CASES = {
     # stage 3 without AC: the weights that matmuls save for an input grad (4: the first
-    # Linear's input needs no grad, so its weight is not saved)
-    ("none", True): 4,
+    # Linear's input needs no grad, so its weight is not saved), regathered as one bucket
+    # (fczero/eager_buckets.py; the recompute's gathers below are not bucketed)
+    ("none", True): 1,
     ("full", True): BLOCK_PARAMS + 1,  # recompute regathers each block param, + head weight
     ("selective", True): BLOCK_PARAMS + 1,  # the policy saves matmuls, not gathers
     ("full", False): BLOCK_PARAMS,  # no reshard: the head keeps its weight; blocks regather

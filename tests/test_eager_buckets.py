@@ -28,23 +28,26 @@ def _step_log(model: torch.nn.Module) -> tuple[list[str], list[str]]:
 
 
 @pytest.mark.parametrize(
-    ("bucket_bytes", "forward", "reduces"),
+    ("bucket_bytes", "forward", "reduces", "regathers"),
     [
-        (128 * 2**20, 1, 1),  # the default: the whole (3 MiB) model in one bucket
-        (BLOCK + 16384, 3, 3),  # a block each; the head (16 KiB) joins blocks.2
-        (BLOCK - 1, 6, 6),  # a weight and its bias no longer fit: only blocks.2.bias + head
+        (128 * 2**20, 1, 1, 1),  # the default: the whole (3 MiB) model in one bucket
+        (BLOCK + 16384, 3, 3, 3),  # a block each; the head (16 KiB) joins blocks.2
+        (BLOCK - 1, 6, 6, 4),  # a weight and its bias no longer fit: only blocks.2.bias + head
     ],
 )
-def test_second_forward_gathers_and_reduces_per_bucket(fake_pg, bucket_bytes, forward, reduces):
+def test_collectives_per_bucket(fake_pg, bucket_bytes, forward, reduces, regathers):
+    """Backward regathers the 4 saved weights (blocks.0-2, head: bucketed along the saved
+    order, from the first step); forward gathers and reduces are bucketed from the second."""
     model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), bucket_bytes=bucket_bytes)
     first_fwd, first_bwd = _step_log(model)  # records the order: one gather per param
     assert first_fwd.count("all_gather_into_tensor") == 7
     assert first_bwd.count("reduce_scatter_tensor") == 7
+    assert first_bwd.count("all_gather_into_tensor") == regathers
     for _ in range(2):
         fwd, bwd = _step_log(model)
         assert fwd.count("all_gather_into_tensor") == forward
         assert bwd.count("reduce_scatter_tensor") == reduces
-        assert bwd.count("all_gather_into_tensor") == 4  # regathers stay one per saved weight
+        assert bwd.count("all_gather_into_tensor") == regathers
 
 
 def test_no_buckets_without_prefetch_or_bucket_bytes(fake_pg):
@@ -54,6 +57,7 @@ def test_no_buckets_without_prefetch_or_bucket_bytes(fake_pg):
         fwd, bwd = _step_log(model)
         assert fwd.count("all_gather_into_tensor") == 7, options
         assert bwd.count("reduce_scatter_tensor") == 7, options
+        assert bwd.count("all_gather_into_tensor") == 4, options
 
 
 def test_plan_follows_bytes_and_leaves_checkpointed_gathers_alone(fake_pg):

@@ -107,7 +107,7 @@ def test_bad_budget_is_refused_before_anything_changes(fake_pg):
 
 
 def test_eager_backward_regathers_only_what_is_not_kept(fake_pg):
-    model = _last_two_kept()
+    model = _last_two_kept(prefetch=0)  # no eager buckets: one regather per param
     loss = model(torch.randn(4, 512, requires_grad=True)).sum()
     with CollectiveLog() as bwd:
         loss.backward()
@@ -170,6 +170,7 @@ def _train_auto(rank: int, world_size: int, backend: str | None):
         compile_backend=backend,
         unsharded_budget="auto",
         memory_budget=AUTO_BUDGET,
+        prefetch=0,  # no eager buckets: the regathers count params
     )
     unsharding.plan_kept_params = plan_kept_params
     return trace, plans
@@ -229,6 +230,7 @@ def test_auto_plans_after_the_second_step_from_the_headroom(fake_pg, monkeypatch
         init_device_mesh("cpu", (2,)),
         unsharded_budget="auto",
         memory_budget=AUTO_BUDGET,
+        prefetch=0,  # no eager buckets: the regathers count params
     )
     assert "auto, planned after optimizer step 2 (0 so far)" in str(fczero.memory_report(model))
     with caplog.at_level("INFO", logger="fczero"):
@@ -280,6 +282,7 @@ def test_auto_keeps_nothing_when_nothing_fits_or_nothing_is_measured(
         init_device_mesh("cpu", (2,)),
         unsharded_budget="auto",
         memory_budget=memory_budget,
+        prefetch=0,
     )
     with caplog.at_level("INFO", logger="fczero"):
         regathers, kept = _sgd_steps(model, model, 3)
@@ -290,7 +293,7 @@ def test_auto_keeps_nothing_when_nothing_fits_or_nothing_is_measured(
 def test_eager_accumulation_gathers_kept_params_once(fake_pg):
     """K micro-batches: the kept blocks (blocks.2 and the head) are gathered by the first
     micro-batch's forward only; the others in every forward (and again in backward)."""
-    model = _last_two_kept()
+    model = _last_two_kept(prefetch=0)  # no eager buckets: one regather per param
     x = torch.randn(4, 512, requires_grad=True)
     forwards = []
     with fczero.no_sync(model):
@@ -373,6 +376,7 @@ def _auto_on_cuda(rank: int, world_size: int, memory_budget: int):
         init_device_mesh("cuda", (world_size,)),
         unsharded_budget="auto",
         memory_budget=memory_budget,
+        prefetch=0,
     )
     regathers, kept = _sgd_steps(model, model, 4)
     plan = root_state(model).auto_unsharding.plan
