@@ -74,9 +74,9 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         set_requires_gradient_sync(model, True)
 
 
-def check_before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    """Global optimizer pre-step hook: refuse a step over grads that were never reduced."""
-    for state in stages._states_of(optimizer):
+def check_before_step(states: list[stages.ParamState]) -> None:
+    """Before an optimizer step over ``states``: refuse grads that were never reduced."""
+    for state in states:
         if state.acc is not None and state.acc.grad is not None:
             raise RuntimeError(
                 "fczero: optimizer.step() while gradients accumulated with sync off were "

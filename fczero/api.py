@@ -173,6 +173,8 @@ def parallelize(
     kept = None
     if selective and options.unsharded_budget != unsharding.AUTO:
         kept = unsharding.plan_kept_params(first_owner, options.unsharded_budget)
+        if kept.budget:
+            logger.info("selective unsharding: %s", unsharding.describe(kept))
         for key in kept.ids:
             sharded, spec = specs_by_param[key]
             specs_by_param[key] = sharded, dataclasses.replace(spec, keep_unsharded=True)

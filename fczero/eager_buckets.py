@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
-from fczero import collectives, consistency, resharding
+from fczero import collectives
 
 if TYPE_CHECKING:
     from fczero.sharding import ShardSpec
@@ -167,12 +167,14 @@ def regather_bucket(members: list[tuple[ShardSpec, torch.Tensor]]) -> list[torch
 
 def unsharded(spec: ShardSpec, piece: torch.Tensor) -> torch.Tensor:
     """A member's slice of its bucket -> the unsharded param, in storage of its own
-    (waits for the bucket)."""
+    (waits for the bucket). The reshape usually copies (each rank's rows lie apart in the
+    bucket), but with one rank, or one row per rank, it is a view of the whole bucket:
+    then it is copied here, since the reshard hooks key gathered params by storage."""
     full = piece.reshape(spec.group_size * spec.rows_per_rank, *spec.shape[1:])
     full = collectives.settle(full)
     inner = full.elem if isinstance(full, AsyncCollectiveTensor) else full
     if inner.untyped_storage().nbytes() != inner.numel() * inner.element_size():
-        full = full.clone()  # one rank: the reshape was a view; give it its own storage
+        full = full.clone()
     if full.shape[0] != spec.shape[0]:
         full = full.narrow(0, 0, spec.shape[0])
     return full
@@ -180,8 +182,6 @@ def unsharded(spec: ShardSpec, piece: torch.Tensor) -> torch.Tensor:
 
 def hand_off(spec: ShardSpec, param: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
     """A member's slice of its bucket -> the unsharded param for the module."""
-    consistency.note_gather(spec.shape, spec.options.param_dtype)
-    full = unsharded(spec, piece)
-    if not spec.keep_unsharded:
-        resharding.register_gathered(full, spec, param)
-    return full
+    from fczero.sharding import hand_over
+
+    return hand_over(spec, param, unsharded(spec, piece))

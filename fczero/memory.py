@@ -7,9 +7,9 @@ returns its input) own no bytes of their own. Graph inputs are alive throughout.
 This is an estimate from shapes: it ignores the allocator's rounding and caching,
 and memory outside the graph (optimizer state, other graphs' activations).
 
-Two helpers read the device instead, for the plans made from measurement (automatic
-selective unsharding, optimizer states kept on the device): the allocator's peak, and
-the budget ``memory_budget`` stands for when it is not given.
+The last helpers read the device instead, for the plans made from measurement
+(automatic selective unsharding, optimizer states kept on the device): the allocator's
+peak, and the budget ``memory_budget`` stands for when it is not given.
 """
 
 from __future__ import annotations
@@ -128,3 +128,15 @@ def device_budget(device: torch.device, memory_budget: int | None) -> int | None
     if memory_budget is not None or device.type == "cpu":
         return memory_budget
     return int(0.9 * torch.get_device_module(device).get_device_properties(device).total_memory)
+
+
+def budget_and_peak(device: torch.device, memory_budget: int | None) -> tuple[int, int] | str:
+    """What a plan from measurement starts from: the budget and the allocator's peak so
+    far, or why there is none to plan from (``"no memory_budget"``, ``"no allocator peak"``)."""
+    budget = device_budget(device, memory_budget)
+    if budget is None:
+        return "no memory_budget"
+    peak = peak_allocated(device)
+    if peak is None:
+        return "no allocator peak"
+    return budget, peak

@@ -40,7 +40,8 @@ fills the local rows. How the values differ from a whole init:
 - On a GPU mesh, DTensor's own RNG tracker fills the shards
   (``torch.distributed.tensor._random.OffsetBasedRNGTracker``: ranks start from rank
   0's CUDA RNG state and each shard takes its own offset), so values differ from a whole
-  init there too. Not yet run on a GPU.
+  init there too. Run on one H100 at one rank (``test_shard_mode_on_a_gpu_mesh``):
+  deterministic from the seed, within the init's bounds; not yet with two ranks.
 - Deterministic inits (``ones_``, ``zeros_``, ``constant_``) give the exact values.
 - A 0-d param is replicated: rank 0's value is broadcast after its module's init.
 

@@ -129,9 +129,11 @@ class EagerPrefetch:
     def finish(self) -> None:
         """End of forward: keep the order seen; wait for (and drop) unused prefetches."""
         if self._cursor:
-            self.order = self._seen  # (a forward may also end early: plan every time)
-            buckets = eager_buckets.plan(self.order, self.bucket_bytes)
-            self.bucket_of = {i: bucket for bucket in buckets for i in bucket}
+            replayed = self._replaying and self._cursor == len(self.order)  # the same params
+            self.order = self._seen
+            if not replayed:  # a new order, or one that ended early: plan its buckets
+                buckets = eager_buckets.plan(self.order, self.bucket_bytes)
+                self.bucket_of = {i: bucket for bucket in buckets for i in bucket}
         for full in self._ready.values():
             collectives.settle(full)
         self._ready, self._seen, self._replaying = {}, [], False

@@ -184,10 +184,10 @@ class _Scope:
     def _hold(self, entry: _Gathered, pending: torch.Tensor | _Piece) -> None:
         """Keep a regather issued ahead until its unpack; waited at the end of backward
         if it is never unpacked (at once when no backward is running)."""
-        if torch._C._current_graph_task_id() == -1:
-            collectives.settle(pending.tensor if isinstance(pending, _Piece) else pending)
         self.ahead[id(entry)] = (entry, pending)
-        if not self.draining and torch._C._current_graph_task_id() != -1:
+        if torch._C._current_graph_task_id() == -1:
+            _settle(pending)
+        elif not self.draining:
             self.draining = True
             torch.autograd.Variable._execution_engine.queue_callback(self._drain)
 
@@ -217,8 +217,12 @@ class _Scope:
         """End of backward: wait for the prefetched regathers nobody unpacked; a later
         backward over the same graph (``retain_graph``) may regather everything again."""
         for _, pending in self.ahead.values():
-            collectives.settle(pending.tensor if isinstance(pending, _Piece) else pending)
+            _settle(pending)
         self.ahead, self.issued, self.draining = {}, set(), False
+
+
+def _settle(pending: torch.Tensor | _Piece) -> None:
+    collectives.settle(pending.tensor if isinstance(pending, _Piece) else pending)
 
 
 _active: _Scope | None = None

@@ -154,9 +154,14 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 
 def _eager_gather(spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
-    """The eager gather of a sharded param (stage 3: recorded so that saving it packs a recipe)."""
+    """The eager gather of a sharded param."""
+    return hand_over(spec, param, spec._gather(_local(param)))
+
+
+def hand_over(spec: ShardSpec, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """An eager gather on its way to the module: noted for the collective check, and
+    (stage 3) recorded so that saving it packs a recipe (``fczero.resharding``)."""
     consistency.note_gather(spec.shape, spec.options.param_dtype)
-    full = spec._gather(_local(param))
     if not spec.keep_unsharded:
         resharding.register_gathered(full, spec, param)
     return full

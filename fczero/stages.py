@@ -319,8 +319,13 @@ def _states_of(optimizer: torch.optim.Optimizer) -> list[ParamState]:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    """Param offload: the step writes host shards that device copies may still read."""
-    devices = {s.spec.compute_device for s in _states_of(optimizer)} - {None}
+    """Refuse grads accumulated but never reduced; under param offload, wait for the
+    device, since the step writes host shards that device copies may still read."""
+    from fczero import accumulation  # (it imports this module)
+
+    states = _states_of(optimizer)
+    accumulation.check_before_step(states)
+    devices = {s.spec.compute_device for s in states} - {None}
     if devices:
         param_offload.wait_for_device(devices)
 
@@ -328,10 +333,12 @@ def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
 def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     roots: dict[int, tuple[RootState, set[int]]] = {}
     for state in _states_of(optimizer):
-        roots.setdefault(id(state.root), (state.root, set()))[1].add(id(state))
+        wholes = roots.setdefault(id(state.root), (state.root, set()))[1]
+        if state.whole is not None:
+            wholes.add(id(state))
     for root, ids in roots.values():
-        # stages 1/2: the root's order, not the optimizer's
-        refresh([s for s in root.params if id(s) in ids and s.whole is not None])
+        if ids:  # stages 1/2: refreshed in the root's order, not the optimizer's
+            refresh([s for s in root.params if id(s) in ids])
         if root.auto_unsharding is not None:
             root.auto_unsharding.after_step()
 
@@ -340,9 +347,6 @@ def _install_optimizer_hooks() -> None:
     global _hooks_installed
     if _hooks_installed:
         return
-    from fczero import accumulation
-
-    register_optimizer_step_pre_hook(accumulation.check_before_step)
     register_optimizer_step_pre_hook(_before_step)
     register_optimizer_step_post_hook(_after_step)
     _hooks_installed = True

@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from fczero.memory import device_budget, peak_allocated
+from fczero.memory import budget_and_peak
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -123,10 +123,7 @@ def plan_kept_params(
         spent += size
         kept.update(id(param) for param, _ in members)
         names.append(name)
-    plan = KeptPlan(frozenset(kept), tuple(reversed(names)), spent, max(budget, 0), source)
-    if budget > 0 or source.startswith("auto"):
-        logger.info("selective unsharding: %s", describe(plan))
-    return plan
+    return KeptPlan(frozenset(kept), tuple(reversed(names)), spent, max(budget, 0), source)
 
 
 def describe(plan: KeptPlan) -> str:
@@ -154,7 +151,7 @@ class AutoUnsharding:
     ) -> None:
         self.model = weakref.ref(model)
         self.candidates = candidates  # (first owner's module path, state), registration order
-        self.budget = device_budget(device, memory_budget)
+        self.memory_budget = memory_budget
         self.device = device
         self.groups = groups  # every axis of the model's mesh: the minimum is global
         self.steps = 0
@@ -168,26 +165,28 @@ class AutoUnsharding:
         if self.steps < AUTO_PLAN_AFTER_STEPS:
             return
         self.plan = self._decide()
+        logger.info("selective unsharding: %s", describe(self.plan))
         if self.plan.ids:
             self._apply(self.plan.ids)
 
     def _decide(self) -> KeptPlan:
-        peak = peak_allocated(self.device)
-        if self.budget is None or peak is None:
+        measured = budget_and_peak(self.device, self.memory_budget)
+        if isinstance(measured, str):
             # the same on every rank (one device type per mesh): no collective either way
-            why = "no memory_budget" if self.budget is None else "no allocator peak on this device"
+            why = measured if measured == "no memory_budget" else f"{measured} on this device"
             return plan_kept_params(
                 [],
                 0,
                 f"auto: {why} on {self.device.type}; pass memory_budget and train on a CUDA "
                 "device, or give unsharded_budget in bytes",
             )
-        headroom = torch.tensor([self.budget - peak], dtype=torch.int64, device=self.device)
+        budget, peak = measured
+        headroom = torch.tensor([budget - peak], dtype=torch.int64, device=self.device)
         for group in self.groups:
             dist.all_reduce(headroom, op=dist.ReduceOp.MIN, group=group)
         spare = int(headroom.item())
         source = (
-            f"auto after {self.steps} steps: memory_budget {self.budget / 2**20:.1f} MiB - "
+            f"auto after {self.steps} steps: memory_budget {budget / 2**20:.1f} MiB - "
             f"peak {peak / 2**20:.1f} MiB on this rank; least headroom over ranks "
             f"{spare / 2**20:.1f} MiB"
         )

@@ -130,10 +130,10 @@ def test_auto_device_bytes_keeps_what_the_budget_leaves_above_the_peak(
 ):
     """``device_bytes="auto"``: the peak before the first step (injected: CPU has none)
     leaves room for inp.weight's two states (260 bytes each), as in the test above."""
-    from fczero.offload import optimizer as optimizer_offload
+    from fczero import memory
 
     peaks = []
-    monkeypatch.setattr(optimizer_offload, "peak_allocated", lambda device: peaks.append(device) or 10**6)
+    monkeypatch.setattr(memory, "peak_allocated", lambda device: peaks.append(device) or 10**6)
     torch.manual_seed(0)
     model = UnevenTiedMLP()
     ref_model, off_model = model, copy.deepcopy(model)
@@ -178,9 +178,9 @@ def test_auto_device_bytes_takes_the_parallelized_models_budget(fake_pg, monkeyp
     """One budget: without its own, the offload plans within parallelize's memory_budget."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fczero.offload import optimizer as optimizer_offload
+    from fczero import memory
 
-    monkeypatch.setattr(optimizer_offload, "peak_allocated", lambda device: 3 * 2**20)
+    monkeypatch.setattr(memory, "peak_allocated", lambda device: 3 * 2**20)
     model = fczero.parallelize(
         UnevenTiedMLP(), init_device_mesh("cpu", (2,)), memory_budget=5 * 2**20
     )

@@ -13,7 +13,7 @@ from fczero.testing import parity
 from fczero.testing.comm import CollectiveLog
 from fczero.testing.distributed import run_on_ranks
 from fczero.testing.graphs import collective_sequence, saved_unsharded
-from fczero import unsharding
+from fczero import memory, unsharding
 from fczero.stages import root_state
 from fczero.unsharding import block_of
 from tests.models import ThreeBlocks, block_batches
@@ -144,14 +144,14 @@ AUTO_BUDGET = 10**9
 
 def _fake_peak(monkeypatch, headroom: int) -> None:
     """The allocator's peak, as if ``headroom`` bytes of ``AUTO_BUDGET`` were left."""
-    monkeypatch.setattr(unsharding, "peak_allocated", lambda device: AUTO_BUDGET - headroom)
+    monkeypatch.setattr(memory, "peak_allocated", lambda device: AUTO_BUDGET - headroom)
 
 
 def _train_auto(rank: int, world_size: int, backend: str | None):
     """``unsharded_budget="auto"`` with a different headroom on each rank: rank 0's (the
     smaller) decides for both. Returns the trace and the blocks each plan kept."""
     headroom = HEAD + BLOCK + 100 if rank == 0 else 10 * BLOCK
-    unsharding.peak_allocated = lambda device: AUTO_BUDGET - headroom
+    memory.peak_allocated = lambda device: AUTO_BUDGET - headroom
     plans = []
     plan_kept_params = unsharding.plan_kept_params
 

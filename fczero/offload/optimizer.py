@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
-from fczero.memory import device_budget, peak_allocated
+from fczero.memory import budget_and_peak
 from fczero.offload import streams
 
 logger = logging.getLogger("fczero")
@@ -230,13 +230,12 @@ class OptimizerOffload:
         if budget is None and params:  # the parallelized model's budget, if it has one
             options = options_of(params[0])
             budget = options.memory_budget if options is not None else None
-        budget = device_budget(device, budget)
-        peak = peak_allocated(device)
-        if budget is None or peak is None:
+        measured = budget_and_peak(device, budget)
+        if isinstance(measured, str):
             self.device_bytes = 0
-            why = "no memory_budget" if budget is None else "no allocator peak"
-            self.summary.sizing = f"auto: {why} on {device.type}, every state offloaded"
+            self.summary.sizing = f"auto: {measured} on {device.type}, every state offloaded"
         else:
+            budget, peak = measured
             self.device_bytes = max(0, budget - peak)
             self.summary.sizing = (
                 f"auto: memory_budget {budget / 2**20:.1f} MiB - peak before the first step "

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -40,10 +41,15 @@ from torch.distributed.tensor import DTensor
 
 from fczero.offload import streams
 
+if TYPE_CHECKING:
+    from fczero.sharding import ShardSpec
+
 logger = logging.getLogger("fczero")
 
 
-def to_host(param: nn.Parameter, spec, device: torch.device):
+def to_host(
+    param: nn.Parameter, spec: ShardSpec, device: torch.device
+) -> tuple[nn.Parameter, ShardSpec]:
     """The sharded ``param`` moved to (pinned) host memory, and its spec, which now tells
     the gather to copy the shard to ``device`` first."""
     local = param.to_local()
