@@ -68,6 +68,46 @@ def test_optimizer_offload_is_bitwise_and_frees_the_states():
             assert torch.equal(ref_opt.state[p_ref][key].cpu(), off_opt.state[p_off][key])
 
 
+def test_auto_device_bytes_keeps_the_states_the_real_peak_leaves_room_for():
+    """``device_bytes="auto"`` with the allocator's real peak: a budget of that peak plus
+    the first layer's two AdamW states keeps exactly those on the device, the rest go to
+    pinned host memory, and training is bitwise equal to the run without offload."""
+    ref, off = _mlp(), _mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    off_opt = torch.optim.AdamW(off.parameters(), lr=1e-3, fused=True)
+    first_layer = sum(p.numel() * p.element_size() for p in off[0].parameters())
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    handle = None
+    for step in range(3):
+        x = torch.randn(64, 512, device="cuda", generator=gen)
+        for model, opt in ((ref, ref_opt), (off, off_opt)):
+            model(x).square().mean().backward()
+            if model is off and handle is None:  # the peak the first step will read
+                budget = torch.cuda.max_memory_allocated() + 2 * first_layer
+                handle = fczero.offload_optimizer_states(
+                    off_opt, device_bytes="auto", memory_budget=budget
+                )
+            opt.step()
+            opt.zero_grad()
+    torch.cuda.synchronize()
+    handle.wait()
+    assert handle.summary.kept == [
+        f"group0.param{i}.{key}" for i in (0, 1) for key in ("exp_avg", "exp_avg_sq")
+    ]
+    assert handle.summary.kept_bytes == 2 * first_layer
+    assert handle.summary.offloaded == [
+        f"group0.param{i}.{key}" for i in (2, 3) for key in ("exp_avg", "exp_avg_sq")
+    ]
+    params = list(off.parameters())
+    for i, p in enumerate(params):
+        for key in ("exp_avg", "exp_avg_sq"):
+            state = off_opt.state[p][key]
+            assert state.device.type == ("cuda" if i < 2 else "cpu")
+            assert i < 2 or state.is_pinned()
+    for a, b in zip(ref.parameters(), params):
+        assert torch.equal(a, b)
+
+
 def _activation_run(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
