@@ -19,11 +19,16 @@ with ``AdamW(lr, betas=(0.9, 0.95), weight_decay=0)`` (``fused=True`` on CUDA):
 | fsdp2-cpuoffload | bf16 params, fp32 reduce | FSDP2 eager with ``CPUOffloadPolicy`` |
 | fczero-memory-eager | same | fczero eager, optimizer states offloaded, step in 512 MiB chunks |
 | fczero-memory | same | fczero compiled, activation offload ``all``, states offloaded |
-| fczero-params-offload | same | fczero compiled, activation offload ``all``, ``offload_params`` |
+| fczero-params-offload | same | fczero compiled, activation offload ``all``, ``offload_params``, AdamW stepped on the GPU in 512 MiB chunks |
+| fczero-params-offload-cpu-step | same | the same, AdamW stepped on the CPU |
+| fczero-params-offload-eager | same | fczero eager, ``offload_params``, AdamW stepped on the GPU in 512 MiB chunks |
 
-The last four (group ``memory``, not in ``all``) are for ``bench.capacity``; the FSDP2
-one and ``fczero-params-offload`` build the model in host memory (their GPU never holds
-the whole model) and step AdamW on the CPU, with the same optimizer settings.
+The last six (group ``memory``, not in ``all``) are for ``bench.capacity``; the FSDP2
+one and the three ``fczero-params-offload`` ones build the model in host memory (their GPU
+never holds the whole model), with the same optimizer settings. FSDP2's and the
+``-cpu-step`` arm step AdamW on the CPU; ``fczero-params-offload`` streams shards, grads
+and states through the GPU for the step (``offload_optimizer_states`` over offloaded
+params).
 
 DeepSpeed is imported inside its builders only: it is a benchmark-only dependency.
 """
@@ -84,6 +89,10 @@ class ArmSpec:
     """False for the floor: it trains on local gradients, so its loss is not compared."""
     min_warmup: int = 1
     """Warm-up steps this arm needs at least (DeepCompile recompiles at step 5)."""
+    host_init: bool = False
+    """True where the model is built in host memory: the CPU's generator gives other
+    initial weights than the GPU's (same seed), so its loss is compared with the first
+    such arm's, not with FSDP2 eager's."""
 
 
 class LossModule(nn.Module):
@@ -298,9 +307,10 @@ def _fczero_memory(ctx: ArmContext, *, compiled: bool) -> Arm:
     return Arm(step=train_step(module, opt), keep=[root, module, opt, handle])
 
 
-def build_fczero_params_offload(ctx: ArmContext) -> Arm:
-    """Shards, grads and AdamW state in pinned host memory (``offload_params``), activation
-    offload, compiled: what FSDP2's CPUOffloadPolicy keeps off the GPU, and activations."""
+def _fczero_params_offload(ctx: ArmContext, *, device_step: bool, compiled: bool = True) -> Arm:
+    """Shards, grads and AdamW state in pinned host memory (``offload_params``): what FSDP2's
+    CPUOffloadPolicy keeps off the GPU; compiled, activations too. ``device_step``: AdamW
+    runs on the GPU, 512 MiB of params at a time."""
     import fczero
 
     root = LossModule(build_model(ctx, torch.device("cpu")))
@@ -310,11 +320,24 @@ def build_fczero_params_offload(ctx: ArmContext) -> Arm:
         param_dtype=BF16,
         reduce_dtype=torch.float32,
         offload_params=True,
-        activation_offload="all",
+        activation_offload="all" if compiled else "off",
     )
     opt = torch.optim.AdamW(root.parameters(), lr=ctx.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    module = torch.compile(root, backend=ctx.compile_backend)
-    return Arm(step=train_step(module, opt), keep=[root, module, opt])
+    handle = fczero.offload_optimizer_states(opt, chunk_bytes=512 * 2**20) if device_step else None
+    module = torch.compile(root, backend=ctx.compile_backend) if compiled else root
+    return Arm(step=train_step(module, opt), keep=[root, module, opt, handle])
+
+
+def build_fczero_params_offload(ctx: ArmContext) -> Arm:
+    return _fczero_params_offload(ctx, device_step=True)
+
+
+def build_fczero_params_offload_cpu_step(ctx: ArmContext) -> Arm:
+    return _fczero_params_offload(ctx, device_step=False)
+
+
+def build_fczero_params_offload_eager(ctx: ArmContext) -> Arm:
+    return _fczero_params_offload(ctx, device_step=True, compiled=False)
 
 
 def build_fczero_memory_eager(ctx: ArmContext) -> Arm:
@@ -459,6 +482,7 @@ ARMS: dict[str, ArmSpec] = {
             name="fsdp2-cpuoffload",
             label="FSDP2 eager, CPUOffloadPolicy",
             build=build_fsdp2_cpuoffload,
+            host_init=True,
         ),
         ArmSpec(
             name="fczero-memory-eager",
@@ -472,8 +496,21 @@ ARMS: dict[str, ArmSpec] = {
         ),
         ArmSpec(
             name="fczero-params-offload",
-            label="fczero compiled, param + activation offload (CPU step)",
+            label="fczero compiled, param + activation offload (GPU step)",
             build=build_fczero_params_offload,
+            host_init=True,
+        ),
+        ArmSpec(
+            name="fczero-params-offload-cpu-step",
+            label="fczero compiled, param + activation offload (CPU step)",
+            build=build_fczero_params_offload_cpu_step,
+            host_init=True,
+        ),
+        ArmSpec(
+            name="fczero-params-offload-eager",
+            label="fczero eager, param offload (GPU step)",
+            build=build_fczero_params_offload_eager,
+            host_init=True,
         ),
     )
 }
@@ -481,7 +518,14 @@ ARMS: dict[str, ArmSpec] = {
 
 _OVERLAP_ARMS = ["fczero-inductor-overlap", "fczero-passes+overlap", "fczero-symm-mem"]
 
-MEMORY_ARMS = ["fsdp2-cpuoffload", "fczero-memory-eager", "fczero-memory", "fczero-params-offload"]
+MEMORY_ARMS = [
+    "fsdp2-cpuoffload",
+    "fczero-memory-eager",
+    "fczero-memory",
+    "fczero-params-offload",
+    "fczero-params-offload-cpu-step",
+    "fczero-params-offload-eager",
+]
 """Capacity arms (bench.capacity): left out of ``all``."""
 
 GROUPS: dict[str, list[str]] = {

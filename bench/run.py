@@ -234,7 +234,8 @@ def run_arm(spec: ArmSpec, ctx: ArmContext, regime: str, args, batches, ctrl, ba
     """Build, time and free one arm on this rank; every rank returns the same record."""
     rank, world = dist.get_rank(), dist.get_world_size()
     record = {**base, "arm": spec.name, "label": spec.label, "regime": regime,
-              "batch": ctx.batch, "seq_len": ctx.seq_len, "communicates": spec.communicates}  # fmt: skip
+              "batch": ctx.batch, "seq_len": ctx.seq_len, "communicates": spec.communicates,
+              "host_init": spec.host_init}  # fmt: skip
     warmup = max(args.warmup, spec.min_warmup)
     state: dict[str, str | None] = {"error": None}  # this rank's own failure, for the watchdog
     result: dict | None = None

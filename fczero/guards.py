@@ -138,10 +138,10 @@ def _stale_param_hook(name: str) -> Callable[[torch.Tensor], None]:
 def _install_optimizer_hook() -> None:
     global _OPTIMIZER_HOOK
     if _OPTIMIZER_HOOK is None:
-        _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_check_optimizer)
+        _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(check_optimizer)
 
 
-def _check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+def check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
     """Refuse to step an optimizer that holds params ``parallelize`` replaced (checked once)."""
     if optimizer in _CHECKED_OPTIMIZERS:
         return

@@ -22,9 +22,11 @@ on, nothing accumulated) to ``ShardSpec.unshard`` unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -312,6 +314,35 @@ def options_of(param: torch.Tensor) -> ShardingOptions | None:
     return state.root.options if state is not None else None
 
 
+def compute_device_of(param: torch.Tensor) -> torch.device | None:
+    """The device a param-offloaded sharded ``param`` is gathered to (None: its shard is
+    where its compute is, or it is not fczero's)."""
+    ref = _STATES.get(param)
+    state = ref() if ref is not None else None
+    return state.spec.compute_device if state is not None else None
+
+
+_IN_PARTS = "_fczero_step_in_parts"  # set on an optimizer while it steps part of its params
+
+
+@contextlib.contextmanager
+def one_step_in_parts(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """One optimizer step made of several ``optimizer.step()`` calls, each on a part of the
+    params (the chunked step of optimizer-state offload): fczero's global step hooks run
+    once, over all params, before the first part and after the last, and not around each
+    part (where they would check, wait or count per part)."""
+    from fczero import guards  # (guards is imported after this module)
+
+    guards.check_optimizer(optimizer, (), {})
+    _before_step(optimizer, (), {})
+    optimizer.__dict__[_IN_PARTS] = True
+    try:
+        yield
+    finally:
+        del optimizer.__dict__[_IN_PARTS]
+    _after_step(optimizer, (), {})
+
+
 def _states_of(optimizer: torch.optim.Optimizer) -> list[ParamState]:
     refs = [_STATES.get(p) for group in optimizer.param_groups for p in group["params"]]
     states = [ref() for ref in refs if ref is not None]
@@ -323,6 +354,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
     device, since the step writes host shards that device copies may still read."""
     from fczero import accumulation  # (it imports this module)
 
+    if optimizer.__dict__.get(_IN_PARTS):
+        return
     states = _states_of(optimizer)
     accumulation.check_before_step(states)
     devices = {s.spec.compute_device for s in states} - {None}
@@ -331,6 +364,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    if optimizer.__dict__.get(_IN_PARTS):
+        return
     roots: dict[int, tuple[RootState, set[int]]] = {}
     for state in _states_of(optimizer):
         wholes = roots.setdefault(id(state.root), (state.root, set()))[1]

@@ -1,4 +1,5 @@
-"""Shared fixtures: a fake process group for graph tests, Dynamo reset between tests."""
+"""Shared fixtures: a fake process group for graph tests, Dynamo reset between tests, pinned
+memory that cannot be allocated."""
 
 from __future__ import annotations
 
@@ -25,3 +26,21 @@ def fake_pg(request):
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     yield world_size
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def no_pinned_memory(monkeypatch):
+    """As if on a CUDA machine where every pinned allocation fails (locked-memory limit);
+    fczero's once-per-process warnings are reset so the test sees its own."""
+    from fczero.offload import streams
+
+    monkeypatch.setattr(streams, "_warned", set())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real_empty = torch.empty
+
+    def no_pinning(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", no_pinning)

@@ -65,6 +65,7 @@ def _record(arm: str, **kw: object) -> dict:
     base = {
         "arm": arm, "label": ARMS[arm].label, "regime": "M", "status": "ok", "batch": 1,
         "seq_len": 1024, "communicates": ARMS[arm].communicates, "order": list(ARMS).index(arm),
+        "host_init": ARMS[arm].host_init,
         "step_ms": 10.0, "loss_at_n": 10.0, "loss_rtol": 2e-2, "n_check": 15,
     }  # fmt: skip
     return {**base, **kw}
@@ -99,6 +100,26 @@ def test_loss_reference_falls_back_to_first_communicating_arm() -> None:
     records = [_record("floor"), _record("ddp", loss_at_n=10.0), _record("fczero-eager")]
     report.annotate(records)
     assert {r["loss_ref_arm"] for r in records[1:]} == {"ddp"}
+
+
+def test_arms_built_in_host_memory_are_compared_among_themselves() -> None:
+    """Host-built arms start from other weights: FSDP2 CPUOffloadPolicy is their reference
+    (losses from the one-H100 run of 2026-11-23, where fsdp2-eager's reference was 21.57%
+    away from fczero's host-built arm and 0.51% from FSDP2's)."""
+    records = [
+        _record("fsdp2-eager", loss_at_n=0.0479, losses=[10.869, 1.0, 0.0479]),
+        _record("fsdp2-cpuoffload", loss_at_n=0.0601, losses=[10.854, 1.2, 0.0601]),
+        _record("fczero-params-offload-eager", loss_at_n=0.0652, losses=[10.855, 1.205, 0.0652]),
+        _record("fczero-eager", loss_at_n=0.0479, losses=[10.869, 1.001, 0.0479]),
+    ]
+    report.annotate(records)
+    by = {r["arm"]: r for r in records}
+    assert by["fczero-params-offload-eager"]["loss_ref_arm"] == "fsdp2-cpuoffload"
+    assert by["fczero-params-offload-eager"]["loss_agrees"] is True
+    assert by["fsdp2-cpuoffload"]["loss_ref_arm"] == "fsdp2-cpuoffload"
+    assert by["fczero-eager"]["loss_ref_arm"] == "fsdp2-eager"
+    assert by["fczero-eager"]["loss_agrees"] is True
+    assert "(reference)" in report._loss_cell(by["fsdp2-cpuoffload"])
 
 
 def test_read_records_keeps_latest_and_merges_aborted_ranks(tmp_path: Path) -> None:

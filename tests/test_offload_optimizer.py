@@ -16,9 +16,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import fczero
+from fczero.offload import optimizer as offload_optimizer
 from fczero.offload import streams
 from fczero.testing.distributed import run_on_ranks
 from tests.models import UnevenTiedMLP
+
+_step_device = offload_optimizer._step_device
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, between=None) -> None:
@@ -263,35 +266,133 @@ def test_without_cuda_says_once_that_nothing_moves(caplog, monkeypatch):
     assert len(notes) == 1
 
 
-def test_pinning_failure_falls_back_to_pageable_with_one_warning(monkeypatch):
-    monkeypatch.setattr(streams, "_warned", set())
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    real_empty = torch.empty
-
-    def no_pinning(*args, pin_memory=False, **kwargs):
-        if pin_memory:
-            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
-        return real_empty(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "empty", no_pinning)
+def test_pinning_failure_falls_back_to_pageable_with_one_warning(no_pinned_memory):
     with pytest.warns(RuntimeWarning, match="pageable memory") as record:
         a, b = streams.host_buffer(torch.zeros(3, 2)), streams.host_buffer(torch.zeros(4))
     assert a.shape == (3, 2) and b.shape == (4,) and not a.is_pinned()
     assert len([w for w in record if "pageable" in str(w.message)]) == 1
 
 
+def _as_if_params_were_offloaded(monkeypatch) -> None:
+    """Every param steps through stand-ins, as under param offload ([Note: the device
+    step]); the "device" is the CPU, so the copies are exact and the path runs here."""
+    monkeypatch.setattr(offload_optimizer, "_step_device", lambda p: torch.device("cpu"))
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 300])
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=False, amsgrad=True),
+        lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    ],
+    ids=["adamw", "adam-amsgrad-loop", "sgd-momentum"],
+)
+def test_device_step_through_stand_ins_is_bitwise_equal(monkeypatch, make_opt, chunk_bytes):
+    """The params keep their identity, storage and states; no stand-in is left behind."""
+    _as_if_params_were_offloaded(monkeypatch)
+    torch.manual_seed(0)
+    ref = UnevenTiedMLP()
+    off = copy.deepcopy(ref)
+    ref_opt, off_opt = make_opt(ref.parameters()), make_opt(off.parameters())
+    handle = fczero.offload_optimizer_states(off_opt, chunk_bytes=chunk_bytes)
+    assert handle.device_step
+    params = list(off.parameters())
+    storages = [p.data_ptr() for p in params]
+    _train(ref, ref_opt, 3)
+    _train(off, off_opt, 3)
+    assert handle.summary.chunks == (1 if chunk_bytes is None else 5)
+    assert [p.data_ptr() for p in params] == storages
+    # keyed by the params, not their stand-ins
+    assert [id(p) for p in params if p in off_opt.state] == [id(p) for p in off_opt.state]
+    assert len(off_opt.state) == len(ref_opt.state) > 0
+    assert all(p is q for p, q in zip(off_opt.param_groups[0]["params"], params))
+    for p_ref, p_off in zip(ref.parameters(), params):
+        assert torch.equal(p_ref, p_off)
+        for key, value in ref_opt.state[p_ref].items():
+            assert torch.equal(value, off_opt.state[p_off][key]), key
+    hosts = {s.host.data_ptr() for s in handle.slots}
+    states = [v for st in off_opt.state.values() for v in st.values() if v.dim() > 0]
+    assert states and all(v.data_ptr() in hosts for v in states)
+
+
+def test_device_step_runs_a_closure_once_before_the_chunks(monkeypatch):
+    _as_if_params_were_offloaded(monkeypatch)
+    torch.manual_seed(0)
+    ref = UnevenTiedMLP()
+    off = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    off_opt = torch.optim.AdamW(off.parameters(), lr=1e-2)
+    fczero.offload_optimizer_states(off_opt, chunk_bytes=300)
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(1))
+    calls = []
+
+    def closure(model, opt):
+        def run():
+            calls.append(model)
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            return loss
+
+        return run
+
+    for _ in range(2):
+        expected = ref_opt.step(closure(ref, ref_opt))
+        assert torch.equal(off_opt.step(closure(off, off_opt)), expected)
+    assert calls.count(off) == 2
+    for a, b in zip(ref.parameters(), off.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_chunked_step_runs_fczeros_step_hooks_once_per_step(fake_pg):
+    """The parts of a chunked step are one step for fczero: the stale-param check sees
+    every param (here only the later chunks hold stale ones), and step counts count once."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fczero.stages import root_state
+    from tests.models import ThreeBlocks
+
+    model = ThreeBlocks()
+    fresh = nn.Linear(512, 512)
+    early = torch.optim.SGD([{"params": fresh.parameters()}, {"params": model.parameters()}])
+    fczero.offload_optimizer_states(early, chunk_bytes=512 * 512 * 4)
+    model = fczero.parallelize(
+        model, init_device_mesh("cpu", (2,)), unsharded_budget="auto", memory_budget=10**9
+    )
+    with pytest.raises(RuntimeError, match=r"SGD holds 7 parameter\(s\) that parallelize"):
+        early.step()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    handle = fczero.offload_optimizer_states(opt, chunk_bytes=512 * 512 * 4)
+    steps = []
+    for _ in range(2):
+        model(torch.randn(4, 512)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        steps.append(root_state(model).auto_unsharding.steps)
+    assert handle.summary.chunks == 3
+    assert steps == [1, 2]  # (counted per part, the plan would have come in step 1)
+
+
 def _sharded_run(rank: int, world_size: int) -> bool:
     from torch.distributed.device_mesh import init_device_mesh
 
     results = []
-    for offload in (False, True, "chunked"):
+    for offload in (False, True, "chunked", "device-step"):
         torch.manual_seed(0)
         model = fczero.parallelize(UnevenTiedMLP(), init_device_mesh("cpu", (world_size,)))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        if offload:
-            chunk = 200 if offload == "chunked" else None
-            handle = fczero.offload_optimizer_states(opt, chunk_bytes=chunk)
-        _train(model, opt, 3)
+        if offload == "device-step":  # (the spawned rank has no monkeypatch fixture)
+            offload_optimizer._step_device = lambda p: torch.device("cpu")
+        try:
+            if offload:
+                chunk = None if offload is True else 200
+                handle = fczero.offload_optimizer_states(opt, chunk_bytes=chunk)
+            _train(model, opt, 3)
+        finally:
+            offload_optimizer._step_device = _step_device
+        params = list(model.parameters())
         if offload:
             assert handle.slots and all(
                 isinstance(v, DTensor)
@@ -300,8 +401,8 @@ def _sharded_run(rank: int, world_size: int) -> bool:
                 if v.dim() > 0
             )
         results.append(
-            [_local(p).clone() for p in model.parameters()]
-            + [_local(v).clone() for st in opt.state.values() for v in st.values()]
+            [_local(p).clone() for p in params]
+            + [_local(v).clone() for p in params for _, v in sorted(opt.state[p].items())]
         )
     plain = results[0]
     return all(

@@ -15,7 +15,14 @@ at once, also at the step (without chunks the step needs all of them). Each para
 is stepped exactly once per step, with its group's hyperparameters, so the result is
 the same as one whole step for optimizers whose update is per parameter (all of
 ``torch.optim``'s, except with options that couple parameters, such as a global
-gradient-norm in the optimizer itself). A ``closure`` disables chunking for that call.
+gradient-norm in the optimizer itself). A ``closure`` disables chunking for that call
+(with params in host memory, see below, it is evaluated first and the chunks step after).
+
+With parameter offload (``parallelize(..., offload_params=True)``) the params and grads
+are in host memory too, and without this function the optimizer steps there, on the
+CPU. With it, the step runs on the device instead: each chunk's param shards, grads and
+states are copied in (the next chunk's while this one steps), the chunk steps on the
+device, and the updated shards and states are copied back ([Note: the device step]).
 
 States keep their identity: the state tensors (or, for DTensor states, their local
 tensors) have their ``.data`` swapped, so ``optimizer.state`` and ``state_dict()`` stay
@@ -38,6 +45,7 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fczero.memory import budget_and_peak
@@ -70,8 +78,100 @@ class OptimizerOffloadSummary:
     sizing: str = ""  # how device_bytes was chosen ("auto": from which numbers)
 
 
+def _wait_for_current(devices: set[torch.device]) -> set[torch.device]:
+    """Let each CUDA side stream wait for its current stream (new device memory may be a
+    block that kernels queued there still use) and for the write-back stream (a host
+    buffer about to be read may still be being written); returns ``devices``."""
+    for device in devices:
+        if device.type == "cuda":
+            side = streams.side_stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            side.wait_stream(streams.writeback_stream(device))
+    return devices
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _step_device(param: torch.Tensor) -> torch.device | None:
+    """Where a param whose shard lives in host memory (param offload) steps; None for
+    params that are where their compute is."""
+    from fczero.stages import compute_device_of  # (stages imports fczero.offload)
+
+    return compute_device_of(param)
+
+
+def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A new copy of ``host`` on ``device``: on CUDA started on the side stream (the caller
+    records an event there and waits for it before use); elsewhere a plain clone."""
+    if device.type != "cuda":
+        return host.clone()
+    side = streams.side_stream(device)
+    dest = torch.empty(host.shape, dtype=host.dtype, device=device)
+    with torch.cuda.stream(side):
+        dest.copy_(host, non_blocking=True)
+    dest.record_stream(side)
+    return dest
+
+
+def _download(current: torch.Tensor, host: torch.Tensor) -> None:
+    """Copy device tensor ``current`` into ``host``; on CUDA on the write-back stream, after
+    the work already queued on the current stream (``current`` is kept until it is read).
+    Whoever reads ``host`` next waits for that stream (``_reload``, ``_synchronize``)."""
+    if current.device.type != "cuda":
+        host.copy_(current)
+        return
+    back = streams.writeback_stream(current.device)
+    back.wait_stream(torch.cuda.current_stream(current.device))
+    with torch.cuda.stream(back):
+        host.copy_(current, non_blocking=True)
+    current.record_stream(back)
+
+
+def _synchronize(devices) -> None:
+    """Block until every copy in or out on these devices has finished."""
+    for device in devices:
+        if device.type == "cuda":
+            streams.side_stream(device).synchronize()
+            streams.writeback_stream(device).synchronize()
+
+
+def _side_events(devices) -> list[torch.cuda.Event]:
+    """An event on each CUDA device's side stream, marking the copies issued so far."""
+    out = []
+    for device in devices:
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(streams.side_stream(device))
+            out.append(event)
+    return out
+
+
+def _on_device(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``value`` (a tensor or a DTensor) as a new tensor on ``device``; see ``_upload``."""
+    if isinstance(value, DTensor):
+        return DTensor(_upload(value._local_tensor, device), value._spec, requires_grad=False)
+    return _upload(value, device)
+
+
+def _on_host(value):
+    """``value`` as a host tensor (a DTensor whose outer device says so too); non-tensors
+    as they are."""
+    if not isinstance(value, torch.Tensor) or value.device.type == "cpu":
+        return value
+    if isinstance(value, DTensor):
+        return DTensor(value._local_tensor.cpu(), value._spec, requires_grad=False)
+    return value.cpu()
+
+
+@dataclass
+class _StandIn:
+    """A device copy of one host-resident param (and its grad) that the device step updates
+    in its place; afterwards the new values are copied back into the host shard."""
+
+    param: torch.Tensor
+    proxy: nn.Parameter
 
 
 class OptimizerOffload:
@@ -103,7 +203,8 @@ class OptimizerOffload:
         ]
         self._own_step = None
         self._earlier_step = optimizer.__dict__.get("step")  # e.g. a scheduler's wrapper
-        if chunk_bytes is not None:
+        self.device_step = any(_step_device(p) is not None for _, p in self._params())
+        if chunk_bytes is not None or self.device_step:
             self._whole_step = optimizer.step  # the bound step (maybe wrapped by a scheduler)
             self._own_step = self._chunked_step
             optimizer.step = self._own_step  # type: ignore[method-assign]
@@ -155,47 +256,20 @@ class OptimizerOffload:
     # -- copies ----------------------------------------------------------------------
     def _reload(self, params) -> list[torch.cuda.Event]:
         """Start copying the states of ``params`` back; returns events to wait for (CUDA)."""
-        events: dict[torch.device, torch.cuda.Event] = {}
-        for _, p in params:
-            for slot in self._planned.get(p, ()):
-                if slot.on_device:
-                    continue
-                slot.on_device = True
-                if slot.device.type != "cuda":
-                    slot.target.data = slot.host.clone()
-                    continue
-                side = streams.side_stream(slot.device)
-                side.wait_stream(torch.cuda.current_stream(slot.device))
-                dest = torch.empty(slot.host.shape, dtype=slot.host.dtype, device=slot.device)
-                with torch.cuda.stream(side):
-                    dest.copy_(slot.host, non_blocking=True)
-                dest.record_stream(side)
-                slot.target.data = dest
-                events[slot.device] = None  # recorded below, after the last copy
-        out = []
-        for device in events:
-            event = torch.cuda.Event()
-            event.record(streams.side_stream(device))
-            out.append(event)
-        return out
+        slots = [s for _, p in params for s in self._planned.get(p, ()) if not s.on_device]
+        devices = _wait_for_current({s.device for s in slots})
+        for slot in slots:
+            slot.on_device = True
+            slot.target.data = _upload(slot.host, slot.device)
+        return _side_events(devices)
 
     def _offload(self, params) -> None:
         for _, p in params:
             for slot in self._planned.get(p, ()):
-                if not slot.on_device:
-                    continue
-                slot.on_device = False
-                current = slot.target.data
-                if slot.device.type != "cuda":
-                    slot.host.copy_(current)
+                if slot.on_device:
+                    slot.on_device = False
+                    _download(slot.target.data, slot.host)
                     slot.target.data = slot.host
-                    continue
-                side = streams.side_stream(slot.device)
-                side.wait_stream(torch.cuda.current_stream(slot.device))
-                with torch.cuda.stream(side):
-                    slot.host.copy_(current, non_blocking=True)
-                current.record_stream(side)  # freed for reuse only after the copy read it
-                slot.target.data = slot.host
 
     @staticmethod
     def _wait_for(events: list[torch.cuda.Event]) -> None:
@@ -215,8 +289,7 @@ class OptimizerOffload:
 
     def wait(self) -> None:
         """Block until every copy in flight is done (host buffers are then safe to read)."""
-        for device in {s.device for s in self.slots or () if s.device.type == "cuda"}:
-            streams.side_stream(device).synchronize()
+        _synchronize({s.device for s in self.slots or ()})
 
     def _size_from_budget(self) -> None:
         """``device_bytes="auto"``, once, before the first step (see the module docstring)."""
@@ -261,7 +334,7 @@ class OptimizerOffload:
         chunks, current, size = [], [], 0
         for name, p in params:
             nbytes = _local(p).numel() * _local(p).element_size()
-            if current and size + nbytes > self.chunk_bytes:
+            if current and self.chunk_bytes is not None and size + nbytes > self.chunk_bytes:
                 chunks.append(current)
                 current, size = [], 0
             current.append((name, p))
@@ -270,38 +343,112 @@ class OptimizerOffload:
             chunks.append(current)
         return chunks
 
+    # [Note: the device step]
+    # Under param offload (``offload_params=True``) a param's shard, its grad and its
+    # states all live in pinned host memory. Stepping there is what FSDP2's
+    # CPUOffloadPolicy does; the step then runs at the host's speed. Here each chunk is
+    # instead copied to the device on the side stream while the chunk before it steps:
+    # states through their slots, as without param offload; params and grads as
+    # *stand-ins*, new device Parameters (DTensors with the same spec) that take the
+    # param's place in its group, and its entry in ``optimizer.state``, for that chunk's
+    # ``step()``. After it, the states go back to the param's entry (then to their
+    # host buffers) and the stand-in's values are copied into the host shard, so the
+    # param keeps its identity, its storage and its state. The optimizer sees ordinary
+    # device tensors, so it picks its device kernels (foreach, fused) by itself. The
+    # step begins with fczero's pre-step work over all params (which, under param
+    # offload, waits for the device: forward's copies may still read the host shards)
+    # and ends by waiting for the last copies back (the next forward reads the shards).
     def _chunked_step(self, closure=None):
+        loss = None
         if closure is not None:
-            return self._whole_step(closure)
+            if not self.device_step:
+                return self._whole_step(closure)
+            with torch.enable_grad():  # params on the host: the grads first, then the chunks
+                loss = closure()
+        from fczero.stages import one_step_in_parts  # (stages imports fczero.offload)
+
         self._size_from_budget()
         opt = self.optimizer
         groups = opt.param_groups
         all_params = [list(g["params"]) for g in groups]
         chunks = self._chunks(self._params())
         self.summary.chunks = len(chunks)
-        pending = (self._reload(chunks[0]) if chunks else []) + self._take_prefetched()
-        self._inside_chunks = True
-        try:
-            for i, chunk in enumerate(chunks):
-                ready = pending
-                if i + 1 < len(chunks):
-                    pending = self._reload(chunks[i + 1])  # overlaps with this chunk's step
-                self._wait_for(ready)
-                members = {id(p) for _, p in chunk}
-                for g, params in zip(groups, all_params):
-                    g["params"] = [p for p in params if id(p) in members]
-                opt.param_groups = [g for g in groups if g["params"]]
-                try:
-                    self._whole_step()
-                finally:
+        with one_step_in_parts(opt):
+            pending = self._bring_in(chunks[0]) if chunks else ({}, [])
+            pending[1].extend(self._take_prefetched())
+            self._inside_chunks = True
+            try:
+                for i, chunk in enumerate(chunks):
+                    stand_ins, ready = pending
+                    if i + 1 < len(chunks):
+                        pending = self._bring_in(chunks[i + 1])  # overlaps with this step
+                    self._wait_for(ready)
+                    members = {id(p) for _, p in chunk}
                     for g, params in zip(groups, all_params):
-                        g["params"] = params
-                    opt.param_groups = groups
-                self._plan(chunk)
-                self._offload(chunk)
-        finally:
-            self._inside_chunks = False
-        return None
+                        g["params"] = [
+                            stand_ins[id(p)].proxy if id(p) in stand_ins else p
+                            for p in params
+                            if id(p) in members
+                        ]
+                    opt.param_groups = [g for g in groups if g["params"]]
+                    try:
+                        self._whole_step()
+                    finally:
+                        for g, params in zip(groups, all_params):
+                            g["params"] = params
+                        opt.param_groups = groups
+                        self._send_back(stand_ins.values())
+                    self._plan(chunk)
+                    self._offload(chunk)
+            finally:
+                self._inside_chunks = False
+            if self.device_step:  # the next forward (or a checkpoint) reads the host shards
+                _synchronize({_step_device(p) for _, p in self._params()} - {None})
+        return loss
+
+    def _bring_in(self, chunk) -> tuple[dict[int, _StandIn], list[torch.cuda.Event]]:
+        """Start copying ``chunk``'s offloaded states back, and its host-resident params and
+        grads to their devices as stand-ins ([Note: the device step]); returns the
+        stand-ins by param id and the events to wait for."""
+        events = self._reload(chunk)
+        stand_ins: dict[int, _StandIn] = {}
+        state = self.optimizer.state
+        devices = _wait_for_current({_step_device(p) for _, p in chunk} - {None})
+        for _, p in chunk:
+            device = _step_device(p)
+            if device is None or p.grad is None:
+                continue  # (without a grad the optimizer skips it where it is)
+            proxy = nn.Parameter(_on_device(p.detach(), device), requires_grad=p.requires_grad)
+            if p.grad is not None:
+                proxy.grad = _on_device(p.grad, device)
+            if p in state:
+                state[proxy] = self._states_to(state.pop(p), device, p)
+            stand_ins[id(p)] = _StandIn(p, proxy)
+        return stand_ins, events + _side_events(devices)
+
+    def _states_to(self, states: dict, device: torch.device, param: torch.Tensor) -> dict:
+        """``states`` with every tensor that is in host memory but not planned here (fresh
+        from ``load_state_dict``, which puts them beside the host param) moved to
+        ``device``. Scalars stay unless the group's kernels want them there (fused,
+        capturable)."""
+        group = next(g for g in self.optimizer.param_groups if any(q is param for q in g["params"]))
+        scalars_too = bool(group.get("fused") or group.get("capturable"))
+        for key, value in states.items():
+            if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+                continue  # (planned states were reloaded just before)
+            if value.device == device or (value.dim() == 0 and not scalars_too):
+                continue
+            states[key] = _on_device(value, device)
+        return states
+
+    def _send_back(self, stand_ins) -> None:
+        """After a chunk's step: the stand-ins' states return to their params, and the
+        updated values are copied into the host shards."""
+        state = self.optimizer.state
+        for s in stand_ins:
+            if s.proxy in state:
+                state[s.param] = state.pop(s.proxy)
+            _download(_local(s.proxy.detach()), _local(s.param.detach()))
 
     def _after_load(self, optimizer) -> None:
         """Loaded states are new tensors on the params' devices: plan again after the next step."""
@@ -310,8 +457,16 @@ class OptimizerOffload:
         self.summary = OptimizerOffloadSummary(sizing=self.summary.sizing)
 
     def remove(self) -> None:
-        """Bring every state back to its device for good and take the hooks off."""
-        self._wait_for(self._reload(self._params()) + self._take_prefetched())
+        """Bring every state back to its device for good and take the hooks off (states of
+        params in host memory stay there, where the host step wants them)."""
+        params = self._params()
+        at_home = [(n, p) for n, p in params if _step_device(p) is None]
+        self._wait_for(self._reload(at_home) + self._take_prefetched())
+        self.wait()
+        state = self.optimizer.state
+        for _, p in params:
+            if _step_device(p) is not None and p in state:
+                state[p] = {k: _on_host(v) for k, v in state[p].items()}
         for handle in self._handles:
             handle.remove()
         if self._own_step is not None and self.optimizer.__dict__.get("step") is self._own_step:

@@ -64,7 +64,8 @@ def to_host(
 
 class _HostToDevice(torch.autograd.Function):
     """Forward: the host shard to the device (asynchronous, from pinned memory). Backward:
-    the grad to a new pinned host buffer (a synchronous copy: autograd reads it next)."""
+    the grad to a new pinned host buffer (a synchronous copy: autograd reads it next;
+    pageable, after one warning, where pinning fails: never an error mid-step)."""
 
     @staticmethod
     def forward(ctx, host: torch.Tensor, device: torch.device) -> torch.Tensor:  # type: ignore[override]
@@ -72,7 +73,7 @@ class _HostToDevice(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        out = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        out = streams.host_buffer(grad)  # pageable, with one warning, if pinning fails
         out.copy_(grad)
         return out, None
 

@@ -24,6 +24,7 @@ logger = logging.getLogger("fczero")
 
 _lock = threading.Lock()
 _side_streams: dict[int, torch.cuda.Stream] = {}
+_writeback_streams: dict[int, torch.cuda.Stream] = {}
 _pending: dict[int, torch.cuda.Event] = {}
 _warned: set[str] = set()
 
@@ -37,15 +38,26 @@ def warn_once(key: str, message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream offload and reload copies run on, one per CUDA device."""
+def _stream_in(table: dict[int, torch.cuda.Stream], device: torch.device) -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _lock:
-        stream = _side_streams.get(index)
+        stream = table.get(index)
         if stream is None:
             stream = torch.cuda.Stream(device=index)
-            _side_streams[index] = stream
+            table[index] = stream
     return stream
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream offload and reload copies run on, one per CUDA device."""
+    return _stream_in(_side_streams, device)
+
+
+def writeback_stream(device: torch.device) -> torch.cuda.Stream:
+    """A second copy stream per CUDA device, for the optimizer step's copies back to host
+    memory, so that they run beside the copies in (each direction has its own copy
+    engine) instead of queuing behind them."""
+    return _stream_in(_writeback_streams, device)
 
 
 def host_buffer(like: torch.Tensor, pin: bool = True) -> torch.Tensor:

@@ -52,8 +52,11 @@ def _train(
     optimizer: str,
     lr: float,
     reduce_loss: Callable[[torch.Tensor], torch.Tensor],
+    configure_optimizer: Callable[[torch.optim.Optimizer], Any] | None = None,
 ) -> list[float]:
     opt = make_optimizer(optimizer, model.parameters(), lr)
+    if configure_optimizer is not None:
+        configure_optimizer(opt)
     losses = []
     for inputs, target in batches:
         loss = criterion(step_fn(inputs), target)
@@ -98,6 +101,7 @@ def train_parallel(
     mesh_dim_names: tuple[str, ...] | None = None,
     data_axes: tuple[str, ...] | None = None,
     prepare: Callable[[nn.Module, Any], Any] | None = None,
+    configure_optimizer: Callable[[torch.optim.Optimizer], Any] | None = None,
     **options: Any,
 ) -> Trace:
     """One rank of fczero training on its slice of every batch (call inside a process group).
@@ -107,6 +111,8 @@ def train_parallel(
     ``data_axes`` names the axes the batch is split over (ranks that differ only on
     other axes see the same slice), and ``prepare(model, mesh)`` runs before
     ``fczero.parallelize`` (e.g. tensor parallelism's ``parallelize_module``).
+    ``configure_optimizer(optimizer)`` runs once the optimizer is built (e.g.
+    ``fczero.offload_optimizer_states``).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -140,7 +146,9 @@ def train_parallel(
         dist.all_reduce(t)
         return t / world_size
 
-    losses = _train(model, step_fn, local, criterion, optimizer, lr, mean_over_ranks)
+    losses = _train(
+        model, step_fn, local, criterion, optimizer, lr, mean_over_ranks, configure_optimizer
+    )
     params = {n: full_tensor(p).detach().cpu() for n, p in model.named_parameters()}
     return Trace(losses, params)
 
