@@ -64,8 +64,10 @@ def to_host(
 
 class _HostToDevice(torch.autograd.Function):
     """Forward: the host shard to the device (asynchronous, from pinned memory). Backward:
-    the grad to a new pinned host buffer (a synchronous copy: autograd reads it next;
-    pageable, after one warning, where pinning fails: never an error mid-step)."""
+    the grad to a new pinned host buffer (a synchronous copy: autograd reads it next).
+    In eager mode a buffer that cannot be pinned is pageable, after one warning, never an
+    error mid-step; compiled graphs allocate it as one pinned ``empty`` (the op that ran
+    on the GPU), without that fallback."""
 
     @staticmethod
     def forward(ctx, host: torch.Tensor, device: torch.device) -> torch.Tensor:  # type: ignore[override]
@@ -73,7 +75,10 @@ class _HostToDevice(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        out = streams.host_buffer(grad)  # pageable, with one warning, if pinning fails
+        if torch.compiler.is_compiling():  # traced into the backward graph: a plain op
+            out = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        else:
+            out = streams.host_buffer(grad)  # pageable, with one warning, if pinning fails
         out.copy_(grad)
         return out, None
 
