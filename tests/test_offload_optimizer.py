@@ -315,6 +315,12 @@ def test_device_step_through_stand_ins_is_bitwise_equal(monkeypatch, make_opt, c
     hosts = {s.host.data_ptr() for s in handle.slots}
     states = [v for st in off_opt.state.values() for v in st.values() if v.dim() > 0]
     assert states and all(v.data_ptr() in hosts for v in states)
+    handle.remove()  # back to the host step, states where the params are
+    assert "step" not in off_opt.__dict__
+    _train(ref, ref_opt, 1)
+    _train(off, off_opt, 1)
+    for p_ref, p_off in zip(ref.parameters(), params):
+        assert torch.equal(p_ref, p_off)
 
 
 def test_device_step_runs_a_closure_once_before_the_chunks(monkeypatch):

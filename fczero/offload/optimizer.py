@@ -2,10 +2,10 @@
 
 ``offload_optimizer_states(optimizer)`` hooks the optimizer's ``step``: after each step
 every tensor state (AdamW's ``exp_avg``/``exp_avg_sq``, SGD's momentum buffer, ...) is
-copied to a host buffer (pinned when possible) on a side stream and the state tensor is
-pointed at that buffer, so its device memory is freed once the copy has read it. Before
-the next step the states are copied back on the side stream and the step's kernels wait
-for them. ``prefetch()`` starts that copy early (e.g. after forward) so it overlaps with
+copied to a host buffer (pinned when possible) on a write-back stream and the state
+tensor is pointed at that buffer, so its device memory is freed once the copy has read
+it. Before the next step the states are copied back on the side stream (after the
+write-back stream: the buffers must be complete) and the step's kernels wait for them. ``prefetch()`` starts that copy early (e.g. after forward) so it overlaps with
 backward; otherwise the step starts it itself.
 
 With ``chunk_bytes`` the step runs in chunks of parameters (about that many bytes of
