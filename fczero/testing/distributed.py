@@ -111,16 +111,19 @@ def run_on_ranks(
                 p.join()
         if hung:
             raise TimeoutError(f"ranks {hung} did not finish within {timeout_s:.0f} s")
-        results = []
-        for rank in range(world_size):
+        results, failures = [], []
+        for rank in range(world_size):  # every rank's story: one rank's crash shows on its peer
             path = os.path.join(workdir, f"rank{rank}.pkl")
             if not os.path.exists(path):
-                raise RuntimeError(
-                    f"rank {rank} exited with code {procs[rank].exitcode} and left no result"
-                )
+                code = procs[rank].exitcode
+                how = f" (signal {-code})" if code is not None and code < 0 else ""
+                failures.append(f"rank {rank} exited with code {code}{how} and left no result")
+                continue
             with open(path, "rb") as f:
                 status, value = pickle.load(f)
             if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+                failures.append(f"rank {rank} failed:\n{value}")
             results.append(value)
+        if failures:
+            raise RuntimeError("\n".join(failures))
         return results
