@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor import DTensor
 
 from fczero import collectives
 
@@ -69,7 +68,8 @@ def can_bucket(spec: ShardSpec) -> bool:
 
 def bucket_key(spec: ShardSpec, param: torch.Tensor) -> tuple:
     """Gathers may share a bucket only under equal keys (one group, one gathered dtype)."""
-    return (spec.group_name, spec.group_size, spec.replicate, spec.options.param_dtype or param.dtype)
+    dtype = spec.options.param_dtype or param.dtype
+    return (spec.group_name, spec.group_size, spec.replicate, dtype)
 
 
 def plan(entries: list[tuple[ShardSpec, torch.Tensor, bool]], bucket_bytes: int) -> list[list[int]]:
@@ -161,7 +161,9 @@ def gather_bucket(members: list[tuple[ShardSpec, torch.Tensor]]) -> list[torch.T
 def regather_bucket(members: list[tuple[ShardSpec, torch.Tensor]]) -> list[torch.Tensor]:
     """Backward's regather of a bucket of saved params (no autograd: nothing reduces
     through it); per member, its slice, to pass to ``unsharded``."""
-    shards = [p.to_local() if isinstance(p, DTensor) else p for _, p in members]
+    from fczero.sharding import _local
+
+    shards = [_local(param) for _, param in members]
     return _gather_flat(members[0][0], _layouts(members), shards)
 
 

@@ -307,18 +307,21 @@ def refresh_params(model: nn.Module) -> None:
     refresh(root.params)
 
 
+def _state_of(param: torch.Tensor) -> ParamState | None:
+    ref = _STATES.get(param)
+    return ref() if ref is not None else None
+
+
 def options_of(param: torch.Tensor) -> ShardingOptions | None:
     """The ``parallelize`` options of the model that owns sharded ``param`` (else None)."""
-    ref = _STATES.get(param)
-    state = ref() if ref is not None else None
+    state = _state_of(param)
     return state.root.options if state is not None else None
 
 
 def compute_device_of(param: torch.Tensor) -> torch.device | None:
     """The device a param-offloaded sharded ``param`` is gathered to (None: its shard is
     where its compute is, or it is not fczero's)."""
-    ref = _STATES.get(param)
-    state = ref() if ref is not None else None
+    state = _state_of(param)
     return state.spec.compute_device if state is not None else None
 
 
@@ -344,8 +347,7 @@ def one_step_in_parts(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 
 
 def _states_of(optimizer: torch.optim.Optimizer) -> list[ParamState]:
-    refs = [_STATES.get(p) for group in optimizer.param_groups for p in group["params"]]
-    states = [ref() for ref in refs if ref is not None]
+    states = [_state_of(p) for group in optimizer.param_groups for p in group["params"]]
     return [s for s in states if s is not None]
 
 

@@ -5,8 +5,9 @@ every tensor state (AdamW's ``exp_avg``/``exp_avg_sq``, SGD's momentum buffer, .
 copied to a host buffer (pinned when possible) on a write-back stream and the state
 tensor is pointed at that buffer, so its device memory is freed once the copy has read
 it. Before the next step the states are copied back on the side stream (after the
-write-back stream: the buffers must be complete) and the step's kernels wait for them. ``prefetch()`` starts that copy early (e.g. after forward) so it overlaps with
-backward; otherwise the step starts it itself.
+write-back stream: the buffers must be complete) and the step's kernels wait for them.
+``prefetch()`` starts that copy early (e.g. after forward) so it overlaps with backward;
+otherwise the step starts it itself.
 
 With ``chunk_bytes`` the step runs in chunks of parameters (about that many bytes of
 parameters each, in parameter order): the states of one chunk are brought in while the
@@ -165,6 +166,20 @@ def _on_host(value):
     return value.cpu()
 
 
+def _states_to(states: dict, device: torch.device, group: dict) -> dict:
+    """``states`` with every tensor that is in host memory but not planned (fresh from
+    ``load_state_dict``, which puts them beside the host param) moved to ``device``.
+    Scalars stay unless the group's kernels want them there (fused, capturable)."""
+    scalars_too = bool(group.get("fused") or group.get("capturable"))
+    for key, value in states.items():
+        if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+            continue  # (planned states were reloaded just before)
+        if value.device == device or (value.dim() == 0 and not scalars_too):
+            continue
+        states[key] = _on_device(value, device)
+    return states
+
+
 @dataclass
 class _StandIn:
     """A device copy of one host-resident param (and its grad) that the device step updates
@@ -203,7 +218,8 @@ class OptimizerOffload:
         ]
         self._own_step = None
         self._earlier_step = optimizer.__dict__.get("step")  # e.g. a scheduler's wrapper
-        self.device_step = any(_step_device(p) is not None for _, p in self._params())
+        self._step_devices = {id(p): _step_device(p) for _, p in self._params()}
+        self.device_step = any(d is not None for d in self._step_devices.values())
         if chunk_bytes is not None or self.device_step:
             self._whole_step = optimizer.step  # the bound step (maybe wrapped by a scheduler)
             self._own_step = self._chunked_step
@@ -256,12 +272,17 @@ class OptimizerOffload:
     # -- copies ----------------------------------------------------------------------
     def _reload(self, params) -> list[torch.cuda.Event]:
         """Start copying the states of ``params`` back; returns events to wait for (CUDA)."""
+        return _side_events(self._upload_states(params))
+
+    def _upload_states(self, params, devices: set[torch.device] = frozenset()) -> set:
+        """Issue the copies of ``params``' offloaded states back to their devices, once the
+        side streams of those (and of ``devices``) may go on; returns all those devices."""
         slots = [s for _, p in params for s in self._planned.get(p, ()) if not s.on_device]
-        devices = _wait_for_current({s.device for s in slots})
+        devices = _wait_for_current({s.device for s in slots} | devices)
         for slot in slots:
             slot.on_device = True
             slot.target.data = _upload(slot.host, slot.device)
-        return _side_events(devices)
+        return devices
 
     def _offload(self, params) -> None:
         for _, p in params:
@@ -371,17 +392,18 @@ class OptimizerOffload:
         opt = self.optimizer
         groups = opt.param_groups
         all_params = [list(g["params"]) for g in groups]
+        group_of = {id(p): g for g, params in zip(groups, all_params) for p in params}
         chunks = self._chunks(self._params())
         self.summary.chunks = len(chunks)
         with one_step_in_parts(opt):
-            pending = self._bring_in(chunks[0]) if chunks else ({}, [])
+            pending = self._bring_in(chunks[0], group_of) if chunks else ({}, [])
             pending[1].extend(self._take_prefetched())
             self._inside_chunks = True
             try:
                 for i, chunk in enumerate(chunks):
                     stand_ins, ready = pending
                     if i + 1 < len(chunks):
-                        pending = self._bring_in(chunks[i + 1])  # overlaps with this step
+                        pending = self._bring_in(chunks[i + 1], group_of)  # overlaps with this step
                     self._wait_for(ready)
                     members = {id(p) for _, p in chunk}
                     for g, params in zip(groups, all_params):
@@ -403,43 +425,28 @@ class OptimizerOffload:
             finally:
                 self._inside_chunks = False
             if self.device_step:  # the next forward (or a checkpoint) reads the host shards
-                _synchronize({_step_device(p) for _, p in self._params()} - {None})
+                _synchronize(set(self._step_devices.values()) - {None})
         return loss
 
-    def _bring_in(self, chunk) -> tuple[dict[int, _StandIn], list[torch.cuda.Event]]:
+    def _bring_in(
+        self, chunk, group_of: dict[int, dict]
+    ) -> tuple[dict[int, _StandIn], list[torch.cuda.Event]]:
         """Start copying ``chunk``'s offloaded states back, and its host-resident params and
         grads to their devices as stand-ins ([Note: the device step]); returns the
-        stand-ins by param id and the events to wait for."""
-        events = self._reload(chunk)
+        stand-ins by param id and the events to wait for. ``group_of``: param id -> group."""
+        moving = [(p, self._step_devices.get(id(p))) for _, p in chunk if p.grad is not None]
+        moving = [(p, d) for p, d in moving if d is not None]  # (others step where they are)
+        devices = self._upload_states(chunk, {d for _, d in moving})
         stand_ins: dict[int, _StandIn] = {}
         state = self.optimizer.state
-        devices = _wait_for_current({_step_device(p) for _, p in chunk} - {None})
-        for _, p in chunk:
-            device = _step_device(p)
-            if device is None or p.grad is None:
-                continue  # (without a grad the optimizer skips it where it is)
+        for p, device in moving:
             proxy = nn.Parameter(_on_device(p.detach(), device), requires_grad=p.requires_grad)
-            if p.grad is not None:
-                proxy.grad = _on_device(p.grad, device)
+            proxy.grad = _on_device(p.grad, device)
             if p in state:
-                state[proxy] = self._states_to(state.pop(p), device, p)
+                state[proxy] = _states_to(state.pop(p), device, group_of[id(p)])
             stand_ins[id(p)] = _StandIn(p, proxy)
-        return stand_ins, events + _side_events(devices)
+        return stand_ins, _side_events(devices)
 
-    def _states_to(self, states: dict, device: torch.device, param: torch.Tensor) -> dict:
-        """``states`` with every tensor that is in host memory but not planned here (fresh
-        from ``load_state_dict``, which puts them beside the host param) moved to
-        ``device``. Scalars stay unless the group's kernels want them there (fused,
-        capturable)."""
-        group = next(g for g in self.optimizer.param_groups if any(q is param for q in g["params"]))
-        scalars_too = bool(group.get("fused") or group.get("capturable"))
-        for key, value in states.items():
-            if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
-                continue  # (planned states were reloaded just before)
-            if value.device == device or (value.dim() == 0 and not scalars_too):
-                continue
-            states[key] = _on_device(value, device)
-        return states
 
     def _send_back(self, stand_ins) -> None:
         """After a chunk's step: the stand-ins' states return to their params, and the
@@ -460,12 +467,12 @@ class OptimizerOffload:
         """Bring every state back to its device for good and take the hooks off (states of
         params in host memory stay there, where the host step wants them)."""
         params = self._params()
-        at_home = [(n, p) for n, p in params if _step_device(p) is None]
+        at_home = [(n, p) for n, p in params if self._step_devices.get(id(p)) is None]
         self._wait_for(self._reload(at_home) + self._take_prefetched())
         self.wait()
         state = self.optimizer.state
         for _, p in params:
-            if _step_device(p) is not None and p in state:
+            if self._step_devices.get(id(p)) is not None and p in state:
                 state[p] = {k: _on_host(v) for k, v in state[p].items()}
         for handle in self._handles:
             handle.remove()
