@@ -89,6 +89,8 @@ class ArmSpec:
     """False for the floor: it trains on local gradients, so its loss is not compared."""
     min_warmup: int = 1
     """Warm-up steps this arm needs at least (DeepCompile recompiles at step 5)."""
+    needs_cuda: bool = False
+    """True for CUDA-graph arms: left out of a CPU run."""
     host_init: bool = False
     """True where the model is built in host memory: the CPU's generator gives other
     initial weights than the GPU's (same seed), so its loss is compared with the first
@@ -131,24 +133,66 @@ def adamw(params: object, ctx: ArmContext) -> torch.optim.Optimizer:
     )
 
 
-def train_step(
-    module: Callable[[torch.Tensor], torch.Tensor], opt: torch.optim.Optimizer
-) -> StepFn:
-    def step(tokens: torch.Tensor) -> torch.Tensor:
-        loss = module(tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
+class TrainStep:
+    """One optimizer step: ``module(tokens)`` is the loss; then backward, step, zero_grad.
 
-    return step
+    ``cuda_graphs``: the module was compiled with ``mode="reduce-overhead"``; each step
+    then opens a new CUDA-graph generation and clones the loss out of the graph's pool
+    (the next replay overwrites it). ``phases`` (``bench.phases``) times the three parts.
+    """
+
+    def __init__(
+        self,
+        module: Callable[[torch.Tensor], torch.Tensor],
+        opt: torch.optim.Optimizer,
+        cuda_graphs: bool = False,
+    ) -> None:
+        self.module, self.opt, self.cuda_graphs = module, opt, cuda_graphs
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return self.module(tokens)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def update(self) -> None:
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        loss = self.forward(tokens)
+        self.backward(loss)
+        self.update()
+        return loss.detach().clone() if self.cuda_graphs else loss.detach()
+
+
+def train_step(
+    module: Callable[[torch.Tensor], torch.Tensor],
+    opt: torch.optim.Optimizer,
+    cuda_graphs: bool = False,
+) -> TrainStep:
+    return TrainStep(module, opt, cuda_graphs)
+
+
+CUDA_GRAPHS = "reduce-overhead"
+"""``torch.compile`` mode of the CUDA-graph arms (Inductor's CUDA-graph trees)."""
+
+
+def _floor(ctx: ArmContext, *, mode: str | None = None) -> Arm:
+    root = LossModule(build_model(ctx), autocast_dtype=BF16)
+    opt = adamw(root.parameters(), ctx)
+    compiled = torch.compile(root, backend=ctx.compile_backend, mode=mode)
+    return Arm(step=train_step(compiled, opt, mode == CUDA_GRAPHS), keep=[root, compiled, opt])
 
 
 def build_floor(ctx: ArmContext) -> Arm:
-    root = LossModule(build_model(ctx), autocast_dtype=BF16)
-    opt = adamw(root.parameters(), ctx)
-    compiled = torch.compile(root, backend=ctx.compile_backend)
-    return Arm(step=train_step(compiled, opt), keep=[root, compiled, opt])
+    return _floor(ctx)
+
+
+def build_floor_cuda_graphs(ctx: ArmContext) -> Arm:
+    return _floor(ctx, mode=CUDA_GRAPHS)
 
 
 def _fsdp2(ctx: ArmContext, *, compile_blocks: bool) -> Arm:
@@ -190,6 +234,7 @@ def _fczero(
     *,
     compiled: bool,
     inductor_options: dict[str, object] | None = None,
+    mode: str | None = None,
     **options: object,
 ) -> Arm:
     import fczero
@@ -199,8 +244,10 @@ def _fczero(
     opt = adamw(root.parameters(), ctx)
     module = root
     if compiled:
-        module = torch.compile(root, backend=ctx.compile_backend, options=inductor_options)
-    return Arm(step=train_step(module, opt), keep=[root, module, opt])
+        module = torch.compile(
+            root, backend=ctx.compile_backend, options=inductor_options, mode=mode
+        )
+    return Arm(step=train_step(module, opt, mode == CUDA_GRAPHS), keep=[root, module, opt])
 
 
 def build_fczero_eager(ctx: ArmContext) -> Arm:
@@ -209,6 +256,10 @@ def build_fczero_eager(ctx: ArmContext) -> Arm:
 
 def build_fczero_compiled(ctx: ArmContext) -> Arm:
     return _fczero(ctx, compiled=True)
+
+
+def build_fczero_cuda_graphs(ctx: ArmContext) -> Arm:
+    return _fczero(ctx, compiled=True, mode=CUDA_GRAPHS)
 
 
 def build_fczero_compiled_no_passes(ctx: ArmContext) -> Arm:
@@ -425,6 +476,13 @@ ARMS: dict[str, ArmSpec] = {
         ArmSpec(
             name="floor", label="floor (compiled, no comm)", build=build_floor, communicates=False
         ),
+        ArmSpec(
+            name="floor-cudagraphs",
+            label="floor, CUDA graphs (reduce-overhead)",
+            build=build_floor_cuda_graphs,
+            communicates=False,
+            needs_cuda=True,
+        ),
         ArmSpec(name="fsdp2-eager", label="FSDP2 eager", build=build_fsdp2_eager),
         ArmSpec(
             name="fsdp2-compiled", label="FSDP2 compiled per block", build=build_fsdp2_compiled
@@ -437,6 +495,12 @@ ARMS: dict[str, ArmSpec] = {
             build=build_fczero_compiled_no_passes,
         ),
         ArmSpec(name="fczero-compiled", label="fczero compiled", build=build_fczero_compiled),
+        ArmSpec(
+            name="fczero-cudagraphs",
+            label="fczero compiled, CUDA graphs (reduce-overhead)",
+            build=build_fczero_cuda_graphs,
+            needs_cuda=True,
+        ),
         ArmSpec(
             name="fczero-256mib",
             label="fczero compiled, 256 MiB buckets",
@@ -537,7 +601,10 @@ GROUPS: dict[str, list[str]] = {
         if not n.startswith("deepspeed") and n not in _OVERLAP_ARMS and n not in MEMORY_ARMS
     ],
     "deepspeed": [name for name in ARMS if name.startswith("deepspeed")],
-    "fczero": ["fczero-eager", "fczero-nopasses", "fczero-compiled", "fczero-256mib"],
+    "fczero": [
+        "fczero-eager", "fczero-nopasses", "fczero-compiled", "fczero-cudagraphs", "fczero-256mib"
+    ],  # fmt: skip
+    "cudagraphs": ["floor-cudagraphs", "fczero-cudagraphs"],
     "unshard": ["fczero-unshard-512mib", "fczero-keep-all"],
     "overlap": _OVERLAP_ARMS,
     "fsdp2": ["fsdp2-eager", "fsdp2-compiled"],

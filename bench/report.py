@@ -32,6 +32,14 @@ DEFAULT_LOSS_RTOL = 2e-2
 REF_ARM = "fsdp2-eager"
 HOST_REF_ARM = "fsdp2-cpuoffload"  # the reference of the arms built in host memory
 FLOOR_ARM = "floor"
+CUDA_GRAPH_FLOOR_ARM = "floor-cudagraphs"
+"""A CUDA-graph arm (name ending in ``-cudagraphs``) is compared with the floor under
+CUDA graphs: both then launch their step from replayed graphs."""
+
+
+def floor_of(arm: str) -> str:
+    """The floor arm that ``arm``'s ratio divides by."""
+    return CUDA_GRAPH_FLOOR_ARM if arm.endswith("-cudagraphs") else FLOOR_ARM
 _WARNED = False
 
 
@@ -84,7 +92,7 @@ def annotate(records: list[dict]) -> list[dict]:
     for regime in regimes_of(records):
         rows = [r for r in records if r["regime"] == regime]
         ok = [r for r in rows if r.get("status") == "ok"]
-        floor = next((r for r in ok if r["arm"] == FLOOR_ARM), None)
+        floors = {r["arm"]: r for r in ok if r["arm"] in (FLOOR_ARM, CUDA_GRAPH_FLOOR_ARM)}
         refs = {}
         for host_init in (False, True):
             comparable = [
@@ -102,6 +110,7 @@ def annotate(records: list[dict]) -> list[dict]:
             r["loss_ref_arm"] = r["loss_rel_diff"] = r["loss_agrees"] = None
             if r.get("status") != "ok":
                 continue
+            floor = floors.get(floor_of(r["arm"]))
             if floor is not None and floor["step_ms"]:
                 r["ratio_to_floor"] = r["step_ms"] / floor["step_ms"]
             if ref is None or not r.get("communicates", True):
@@ -242,6 +251,10 @@ def markdown(records: list[dict]) -> str:
             if profiled:
                 cells += [_f(prof.get("comm_ms"), ".1f"), _f(prof.get("exposed_comm_ms"), ".1f")]
             out.append("| " + " | ".join(cells) + " |")
+    phase_rows = phase_table(records)
+    if phase_rows:
+        out += ["", "## Phases (median ms per step: host issuing / GPU between events)", ""]
+        out += [phase_rows.rstrip("\n")]
     if errors:
         out += ["", "## Errors", "", *errors]
     return "\n".join(out) + "\n"
@@ -381,3 +394,26 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+PHASES = ("forward", "backward", "update")
+"""The phases ``bench.phases`` times, in order."""
+
+
+def phase_table(records: list[dict]) -> str:
+    """A markdown table of the phases of every record that has them."""
+    head = ["regime", "arm"] + [f"{p}: host / GPU ms" for p in PHASES]
+    rows = [head, ["---"] * 2 + ["---:"] * len(PHASES)]
+    for r in records:
+        phases = r.get("phases")
+        if not phases:
+            continue
+        cells = []
+        for name in PHASES:
+            p = phases[name]
+            gpu = p.get("gpu_ms")
+            cells.append(f"{p['host_ms']:.1f} / {gpu:.1f}" if gpu is not None else f"{p['host_ms']:.1f}")
+        rows.append([r["regime"], r["arm"], *cells])
+    if len(rows) == 2:
+        return ""
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n"

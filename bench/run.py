@@ -34,6 +34,7 @@ import torch.distributed as dist
 from bench import report
 from bench.arms import ArmContext, ArmSpec, select_arms
 from bench.metrics import derived, measure, reset_memory
+from bench.phases import time_phases
 from bench.profile import profile_steps
 from fczero.models.llama import LlamaConfig
 
@@ -76,6 +77,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
       help="relative loss tolerance against FSDP2 eager (default 2e-2)")  # fmt: skip
     a("--profile", action="store_true", help="also profile each arm: trace + exposed comm")
     a("--profile-steps", type=int, default=3)
+    a("--phases", nargs="?", const="time", choices=["time", "cprofile"],
+      help="also time forward, backward and update apart, host and GPU (bench.phases); "
+      "'cprofile' adds each phase's top host functions to the record")  # fmt: skip
     a("--arm-timeout", type=float, default=600.0, help="seconds before an arm counts as hung")
     a("--compile-backend", default="inductor", help="torch.compile backend of the compiled arms")
     a("--cpu", action="store_true", default=None, help="run on CPU with gloo")
@@ -119,11 +123,30 @@ def relaunch(args: argparse.Namespace, argv: list[str], module: str = "bench.run
     if nproc is None:
         nproc = 2 if args.cpu or not torch.cuda.is_available() else torch.cuda.device_count()
     try:
-        torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", module, *argv])
+        torchrun(relaunch_argv(nproc, argv, module))
     except ChildFailedError as e:
         logger.error("a rank failed: %s", e)
         return 1
     return 0
+
+
+def relaunch_argv(nproc: int, argv: list[str], module: str) -> list[str]:
+    """torchrun's arguments to run ``module`` on ``nproc`` local processes with ``argv``.
+
+    ``--nproc`` is dropped from what the children get: they run under torchrun and do not
+    read it, and torchrun's own parser takes ``--nproc`` for an abbreviation of
+    ``--nproc-per-node`` / ``--nproc_per_node`` and stops as ambiguous (torch 2.11).
+    """
+    kept: list[str] = []
+    skip_value = False
+    for arg in argv:
+        if skip_value:
+            skip_value = False
+        elif arg == "--nproc":
+            skip_value = True
+        elif not arg.startswith("--nproc="):
+            kept.append(arg)
+    return ["--standalone", f"--nproc-per-node={nproc}", "-m", module, *kept]
 
 
 def _git_commit() -> str:
@@ -252,6 +275,9 @@ def run_arm(spec: ArmSpec, ctx: ArmContext, regime: str, args, batches, ctrl, ba
                 summary = profile_steps(arm.step, batches, steps=args.profile_steps,
                                         device=ctx.device, trace_path=trace, keep_trace=rank == 0)  # fmt: skip
                 result["profile"] = summary.to_dict()
+            if args.phases:
+                result["phases"] = time_phases(arm.step, batches, steps=args.steps,
+                                               device=ctx.device, cprofile=args.phases == "cprofile")  # fmt: skip
         except Exception as e:  # recorded in the table; the run goes on
             logger.exception("arm %s (%s) failed on rank %d", spec.name, regime, rank)
             state["error"] = f"{type(e).__name__}: {e}"
@@ -298,6 +324,7 @@ def run_arm(spec: ArmSpec, ctx: ArmContext, regime: str, args, batches, ctrl, ba
         "loss_at_n": losses[n_check - 1],
         "note": main["note"],
         "profile": main.get("profile"),
+        "phases": main.get("phases"),
         **derived(
             step_ms,
             batch=ctx.batch,
@@ -356,6 +383,11 @@ def worker(args: argparse.Namespace) -> int:
 
     mesh = init_device_mesh(device.type, (world,))
     arms = select_arms(args.arms, args.skip)
+    if not use_cuda:
+        skipped = [a.name for a in arms if a.needs_cuda]
+        arms = [a for a in arms if not a.needs_cuda]
+        if skipped and rank == 0:
+            logger.info("left out on the CPU (CUDA graphs need a GPU): %s", skipped)
     plan = regimes(args)
     cfg = LlamaConfig(
         vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,

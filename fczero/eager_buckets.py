@@ -68,7 +68,7 @@ def can_bucket(spec: ShardSpec) -> bool:
 
 def bucket_key(spec: ShardSpec, param: torch.Tensor) -> tuple:
     """Gathers may share a bucket only under equal keys (one group, one gathered dtype)."""
-    dtype = spec.options.param_dtype or param.dtype
+    dtype = spec.param_dtype or param.dtype
     return (spec.group_name, spec.group_size, spec.replicate, dtype)
 
 
@@ -104,7 +104,7 @@ def _gather_flat(
         pad = layout.rows_per_rank - layout.local_rows
         if pad:
             shard = F.pad(shard, [0, 0] * (shard.dim() - 1) + [0, pad])
-        pieces.append(collectives._to(shard, spec0.options.param_dtype).reshape(-1))
+        pieces.append(collectives._to(shard, spec0.param_dtype).reshape(-1))
     gathered = collectives.all_gather(torch.cat(pieces), world, spec0.group_name)
     by_rank = gathered.view(world, -1)
     outs, offset = [], 0

@@ -21,13 +21,22 @@ names) in which every param name is a read-only property returning the unsharded
 param. ``module._parameters`` still holds the sharded param, so state dicts keep
 their keys and values, and ``torch.compile`` traces the property like any Python.
 Nothing in torch is patched.
+
+[Note: what a compiled gather reads]
+Dynamo guards every Python value the traced getter reads, per param, and an object that
+two params reach (the shared ``ShardingOptions``, the root's state) costs one more guard
+per param that checks the two are still the same object: a Python lambda, evaluated on
+every call of the compiled model. So the path a compiled gather traces reads only the
+param's own ``ShardSpec`` and ``ParamState`` and the values copied into them (the dtypes,
+``reshard_after_forward``, the sync flag), and ``to_local()`` takes its grad placements
+from the param itself rather than from ``param.placements``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -72,6 +81,14 @@ class ShardSpec:
     tensor_parallel: TensorParallelView | None = None  # shows the module a TP DTensor
     # param offload: the shard lives on the host; gathers copy it to this device first
     compute_device: torch.device | None = None
+    # copied from ``options`` ([Note: what a compiled gather reads])
+    param_dtype: torch.dtype | None = field(init=False, repr=False, compare=False)
+    reduce_dtype: torch.dtype | None = field(init=False, repr=False, compare=False)
+    reshard_after_forward: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "reshard_after_forward"):
+            object.__setattr__(self, name, getattr(self.options, name))
 
     @property
     def is_scalar(self) -> bool:
@@ -79,7 +96,7 @@ class ShardSpec:
 
     def unsharded_bytes(self, param: torch.Tensor) -> int:
         """Bytes of the unsharded param this spec gathers (in ``param_dtype`` if set)."""
-        dtype = self.options.param_dtype or param.dtype
+        dtype = self.param_dtype or param.dtype
         return math.prod(self.shape) * dtype.itemsize
 
     def unshard(self, param: torch.Tensor) -> torch.Tensor:
@@ -91,18 +108,17 @@ class ShardSpec:
         return full
 
     def _unshard_local(self, param: torch.Tensor) -> torch.Tensor:
-        opts = self.options
         if self.is_scalar:
             return collectives.replicate_scalar(
                 self._on_device(_local(param)),
                 self.group_size,
                 self.group_name,
-                opts.param_dtype,
-                opts.reduce_dtype,
+                self.param_dtype,
+                self.reduce_dtype,
                 self.replicate,
             )
         if torch.compiler.is_compiling():
-            if not opts.reshard_after_forward or self.keep_unsharded:
+            if not self.reshard_after_forward or self.keep_unsharded:
                 return self._gather(_local(param))
             # Stage 3 under compile: the partitioner must recompute the gather chain in
             # backward rather than save the unsharded param for it.
@@ -128,13 +144,12 @@ class ShardSpec:
         pad = self.rows_per_rank - self.local_rows
         if pad:
             local = F.pad(local, [0, 0] * (local.dim() - 1) + [0, pad])
-        opts = self.options
         full = collectives.gather_shard(
             local,
             self.group_size,
             self.group_name,
-            opts.param_dtype,
-            opts.reduce_dtype,
+            self.param_dtype,
+            self.reduce_dtype,
             self.replicate,
         )
         if full.shape[0] != self.shape[0]:
@@ -150,7 +165,7 @@ class ShardSpec:
 
 def _local(param: torch.Tensor) -> torch.Tensor:
     """The local shard, linked to the sharded param by autograd (its grad is ``Shard(0)``)."""
-    return param.to_local(grad_placements=param.placements) if isinstance(param, DTensor) else param
+    return param.to_local() if isinstance(param, DTensor) else param  # grad: same placements
 
 
 def _eager_gather(spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
@@ -161,7 +176,7 @@ def _eager_gather(spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
 def hand_over(spec: ShardSpec, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """An eager gather on its way to the module: noted for the collective check, and
     (stage 3) recorded so that saving it packs a recipe (``fczero.resharding``)."""
-    consistency.note_gather(spec.shape, spec.options.param_dtype)
+    consistency.note_gather(spec.shape, spec.param_dtype)
     if not spec.keep_unsharded:
         resharding.register_gathered(full, spec, param)
     return full

@@ -40,7 +40,7 @@ from torch.optim.optimizer import (
 from torch.utils.checkpoint import checkpoint
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fczero import collectives, resharding, unsharding
+from fczero import collectives, local_step, resharding, unsharding
 from fczero.offload import params as param_offload
 from fczero.reducer import REDUCERS, Reducer, Route, whole_param
 from fczero.sharding import STATE_ATTR, _local, _recompute_everything, mesh_device
@@ -63,7 +63,7 @@ class RootState:
     def __init__(self, options: ShardingOptions, mesh: DeviceMesh) -> None:
         self.options = options
         self.mesh = mesh
-        self.sync = True  # reduce grads in backward (False: accumulate, see fczero.accumulation)
+        self._sync = True
         self.in_forward = False  # an eager forward of the root is running
         self.params: list[ParamState] = []  # registration order, identical on every rank
         self.reducer: Reducer | None = None
@@ -73,6 +73,18 @@ class RootState:
         self.auto_unsharding: unsharding.AutoUnsharding | None = None
 
 
+    @property
+    def sync(self) -> bool:
+        """Reduce grads in backward (False: accumulate, see ``fczero.accumulation``)."""
+        return self._sync
+
+    @sync.setter
+    def sync(self, value: bool) -> None:
+        self._sync = value
+        for state in self.params:  # each param reads its own copy when traced
+            state.sync = value
+
+
 class ParamState:
     """One sharded param: its whole copy (stages 1/2) and its accumulated grads."""
 
@@ -80,6 +92,7 @@ class ParamState:
         self.root = root
         self.spec = spec
         self.param = param
+        self.sync = root.sync  # the root's flag ([Note: what a compiled gather reads])
         self.whole: torch.Tensor | None = None  # stages 1/2 (not 0-d): the kept whole copy
         self.acc: torch.Tensor | None = None  # leaf whose .grad accumulates while unsynced
         self.route: Route | None = None
@@ -90,11 +103,11 @@ class ParamState:
 
     def unshard(self, param: torch.Tensor) -> torch.Tensor:
         """The unsharded param a module computes with (called on every access)."""
-        root, spec = self.root, self.spec
+        spec = self.spec
         grad_path = param.requires_grad and torch.is_grad_enabled()
-        accumulating = grad_path and not root.sync
+        accumulating = grad_path and not self.sync
         pending = None
-        if grad_path and root.sync and self.acc is not None:
+        if grad_path and self.sync and self.acc is not None:
             # The first synced use after accumulating: its backward adds what no_sync summed.
             pending, self.acc = self.acc.grad, None
         if self.whole is None and not accumulating and pending is None:
@@ -111,10 +124,10 @@ class ParamState:
             whole = self._gather_without_grad(param)
             if pending is not None and spec.keep_unsharded:
                 self.reused = None  # the accumulation's last micro-batch: the step follows
-        route = self.route
-        eager_stage1 = root.reducer is not None and route.index >= 0
+        route, reducer = self.route, self.root.reducer
+        eager_stage1 = reducer is not None and route.index >= 0
         if eager_stage1 and not accumulating and not collectives._tracing():
-            root.reducer.expect(route.index)  # one more grad for its bucket to wait for
+            reducer.expect(route.index)  # one more grad for its bucket to wait for
         local = self.spec._on_device(_local(param))  # (param offload: from the host)
         return whole_param(local, whole, self.acc if accumulating else None, pending, route)
 
@@ -124,7 +137,7 @@ class ParamState:
         spec = self.spec
         local = _local(param).detach()
         if spec.is_scalar:
-            return collectives._to(spec._on_device(local), spec.options.param_dtype)
+            return collectives._to(spec._on_device(local), spec.param_dtype)
         if spec.keep_unsharded:
             return self._reuse_or_gather(local, param)
         if torch.compiler.is_compiling():
@@ -165,6 +178,8 @@ class ParamState:
 #: Sharded param -> weak reference to its state (for the optimizer hooks). Both weak: the
 #: model alone keeps its states (and so its params) alive.
 _STATES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: optimizer -> (its params when looked up, their states): see ``_states_of``
+_OPTIMIZER_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _hooks_installed = False
 
 
@@ -347,8 +362,16 @@ def one_step_in_parts(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 
 
 def _states_of(optimizer: torch.optim.Optimizer) -> list[ParamState]:
-    states = [_state_of(p) for group in optimizer.param_groups for p in group["params"]]
-    return [s for s in states if s is not None]
+    """The fczero params ``optimizer`` holds, looked up again only when its params change."""
+    params = tuple(p for group in optimizer.param_groups for p in group["params"])
+    cached = _OPTIMIZER_STATES.get(optimizer)
+    # (the key holds its params alive, so identity cannot be reused by another tensor)
+    if cached is not None and len(cached[0]) == len(params):
+        if all(a is b for a, b in zip(cached[0], params)):
+            return cached[1]
+    states = [s for s in map(_state_of, params) if s is not None]
+    _OPTIMIZER_STATES[optimizer] = (params, states)
+    return states
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -363,9 +386,11 @@ def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
     devices = {s.spec.compute_device for s in states} - {None}
     if devices:
         param_offload.wait_for_device(devices)
+    local_step.enter(optimizer, [s.param for s in states])
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    local_step.restore(optimizer)
     if optimizer.__dict__.get(_IN_PARTS):
         return
     roots: dict[int, tuple[RootState, set[int]]] = {}

@@ -140,6 +140,10 @@ GPU_CASES = [
     ("llama", 1, None, 2, "context"),
     ("llama", 2, "inductor", 2, "late"),
     ("llama", 3, "inductor", 2, "context"),
+    # CUDA graphs: the unsynced and the synced graphs are both captured
+    ("llama", 3, "inductor-cudagraphs", 2, "context"),
+    ("llama", 2, "inductor-cudagraphs", 2, "flag"),
+    ("llama", 1, "inductor-cudagraphs", 2, "context"),
 ]
 
 

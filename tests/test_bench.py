@@ -24,7 +24,7 @@ def test_smoke_run_writes_agreeing_results(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = tmp_path / "smoke"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--smoke", "--out", str(out)],
+        [sys.executable, "-m", "bench.run", "--smoke", "--phases", "--out", str(out)],
         check=False,
         cwd=REPO,
         env=env,
@@ -45,6 +45,9 @@ def test_smoke_run_writes_agreeing_results(tmp_path: Path) -> None:
         assert r["loss_at_n"] < r["loss_first"]  # it trains
         assert r["step_ms"] > 0 and r["tokens_per_s_per_gpu"] > 0 and r["first_step_s"] > 0
         assert r["peak_mem_gib"] is None  # CPU
+        phases = r["phases"]  # host ms only on the CPU, each a share of the step
+        assert set(phases) == {"forward", "backward", "update"}
+        assert all(0 < p["host_ms"] and "gpu_ms" not in p for p in phases.values())
     fc = records["fczero-eager"]
     assert fc["loss_ref_arm"] == "fsdp2-eager" and fc["loss_agrees"] is True, fc["loss_rel_diff"]
     # Same seed, same data: the first losses differ by bf16 rounding only.
@@ -54,11 +57,56 @@ def test_smoke_run_writes_agreeing_results(tmp_path: Path) -> None:
     assert "| FSDP2 eager | ok |" in table and "| fczero eager | ok |" in table
     assert "(reference)" in table and "(ok, " in table and "MISMATCH" not in table
     assert "FSDP2 eager" in proc.stdout  # the CLI prints the table
+    assert "## Phases" in table and "| 2x32 | fczero-eager |" in table
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return
     assert (out / report.CHART).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_relaunch_argv_is_unambiguous_for_torchrun() -> None:
+    from torch.distributed.run import get_args_parser
+
+    from bench.run import relaunch_argv
+
+    for argv in (["--nproc", "1", "--regimes", "M"], ["--nproc=1", "--regimes", "M"]):
+        args = get_args_parser().parse_args(relaunch_argv(1, argv, "bench.run"))
+        assert args.nproc_per_node == "1" and args.module and args.standalone
+        assert args.training_script == "bench.run"
+        assert args.training_script_args == ["--regimes", "M"]  # --nproc is not passed on
+
+
+def test_cuda_graph_arms_compare_with_the_cuda_graph_floor() -> None:
+    records = [
+        _record("floor", step_ms=20.0),
+        _record("floor-cudagraphs", step_ms=10.0),
+        _record("fczero-compiled", step_ms=30.0),
+        _record("fczero-cudagraphs", step_ms=12.0),
+    ]
+    report.annotate(records)
+    ratios = {r["arm"]: r["ratio_to_floor"] for r in records}
+    assert ratios == {
+        "floor": 1.0, "floor-cudagraphs": 1.0, "fczero-compiled": 1.5, "fczero-cudagraphs": 1.2
+    }  # fmt: skip
+
+
+def test_host_cost_smoke_run(tmp_path: Path) -> None:
+    """The host-cost bench on the fake process group: two sizes, every arm, ratios to plain."""
+    from bench import host_cost
+
+    records = host_cost.run(
+        host_cost.parse_args(["--layers", "1,2", "--backend", "aot_eager", "--steps", "3"])
+    )
+    assert [(r["layers"], r["arm"]) for r in records] == [
+        (n, arm) for n in (1, 2) for arm in host_cost.ARMS
+    ]
+    assert [r["params"] for r in records if r["arm"] == "plain-eager"] == [10, 17]
+    for r in records:
+        assert r["host_ms"] == pytest.approx(r["forward"] + r["backward"] + r["update"])
+        assert (r["x_plain"] is None) == r["arm"].startswith("plain")
+    assert host_cost.per_param_ms(records, "fczero-compiled") is not None
+    assert "| 2 | 17 | fczero-compiled |" in host_cost.markdown(records)
 
 
 def _record(arm: str, **kw: object) -> dict:
@@ -175,13 +223,16 @@ def test_select_arms() -> None:
     core = [a.name for a in select_arms("all", skip="deepspeed,ddp,unshard,overlap")]
     assert core == [
         "floor",
+        "floor-cudagraphs",
         "fsdp2-eager",
         "fsdp2-compiled",
         "fczero-eager",
         "fczero-nopasses",
         "fczero-compiled",
+        "fczero-cudagraphs",
         "fczero-256mib",
     ]
+    assert [a.name for a in select_arms("cudagraphs")] == ["floor-cudagraphs", "fczero-cudagraphs"]
     with pytest.raises(ValueError, match="unknown arm 'fsdp3'"):
         select_arms("fsdp3")
 

@@ -34,7 +34,43 @@ CASES = [
         backend="inductor",
         options=(("param_dtype", torch.bfloat16), ("reduce_dtype", torch.float32)),
     ),
+    # CUDA graphs (torch.compile(mode="reduce-overhead")): collectives captured in the graphs
+    Case("llama", "adamw", backend="inductor-cudagraphs"),
+    Case(
+        "llama",
+        backend="inductor-cudagraphs",
+        options=(("param_dtype", torch.bfloat16), ("reduce_dtype", torch.float32)),
+    ),
+    Case("llama", backend="inductor-cudagraphs", options=(("stage", 2),)),
+    Case("llama", backend="inductor-cudagraphs", options=(("stage", 1),)),
 ]
+
+
+def _cudagraph_skips(rank: int, world: int) -> tuple[int, list[str]]:
+    """Train the Llama of the parity tests under CUDA graphs; Inductor's count of graphs it
+    would not capture, and the messages it logged for them."""
+    import logging
+
+    from torch._dynamo.utils import counters
+
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "cudagraph" in record.getMessage().lower():
+                messages.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("torch._inductor").addHandler(handler)
+    counters.clear()
+    run_cases(rank, world, [Case("llama", "adamw", backend="inductor-cudagraphs")], "cuda")
+    logging.getLogger("torch._inductor").removeHandler(handler)
+    return counters["inductor"]["cudagraph_skips"], messages
+
+
+def test_cuda_graphs_skip_no_graph():
+    skips, messages = run_on_ranks(_cudagraph_skips, GPU_RANKS, backend="nccl")[0]
+    assert skips == 0, messages
 
 
 @pytest.fixture(scope="module")

@@ -146,10 +146,19 @@ def test_compiled_backward_reduce_scatters_then_all_reduces(fake_pg):
     assert settings is not None and settings.groups == {shard}
     assert settings.replicate_groups == {replicate}
     after = collective_sequence(run_passes(bw))
-    # bucketing merges the reduce-scatters (every param fits in one bucket), then the
-    # all-reduces of the reduced shards: 7 params, half of each, 3 * (32*64 + 32) + 4*64
+    # bucketing merges the reduce-scatters, then the all-reduces of the reduced shards (half
+    # of each param): every param would fit in one bucket, but the first and the last block
+    # of backward go alone ([Note: small ends]): the head (4 x 64), blocks 2 and 1
+    # (2 * (32*64 + 32)), block 0 (32*64 + 32)
     reduces = [op for op in after if op.startswith(("reduce_scatter", "all_reduce"))]
-    assert reduces == ["reduce_scatter_tensor[6496]", "all_reduce[6496]"]
+    assert reduces == [
+        "reduce_scatter_tensor[4, 64]",
+        "all_reduce[4, 64]",
+        "reduce_scatter_tensor[4160]",
+        "all_reduce[4160]",
+        "reduce_scatter_tensor[2080]",
+        "all_reduce[2080]",
+    ]
 
 
 @pytest.mark.parametrize("fake_pg", [4], indirect=True)

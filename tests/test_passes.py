@@ -66,29 +66,49 @@ class PassTest(expecttest.TestCase):
         self.assertEqual(len([c for c in collective_sequence(fw) if c.startswith("all_gather")]), 7)
         run_passes(fw, settings())
         run_passes(bw, settings())
-        # forward: blocks.0, blocks.1, blocks.2 with the 16 KiB head
+        # forward: blocks.0, blocks.1, blocks.2, and the 16 KiB head alone (the last block)
         self.assertEqual(
             [c for c in collective_sequence(fw) if c.startswith("all_gather")],
             [
                 "all_gather_into_tensor[262656]",
                 "all_gather_into_tensor[262656]",
-                "all_gather_into_tensor[266752]",
+                "all_gather_into_tensor[262656]",
+                "all_gather_into_tensor[8, 512]",
             ],
         )
         # backward: one reduce-scatter per bucket, in the order the gradients become ready
         self.assertEqual(
             [c for c in collective_sequence(bw) if c.startswith("reduce_scatter")],
             [
-                "reduce_scatter_tensor[133376]",
+                "reduce_scatter_tensor[4, 512]",  # head alone: the first block of backward
+                "reduce_scatter_tensor[131328]",
                 "reduce_scatter_tensor[131328]",
                 "reduce_scatter_tensor[131328]",
             ],
         )
 
-    def test_one_bucket_when_the_cap_allows(self):
-        fw, _ = self.graphs()
+    def test_first_and_last_block_alone_whatever_the_cap(self):
+        # [Note: small ends]: a cap that holds the whole model still leaves the first and
+        # the last block on their own, and the middle blocks in one bucket
+        fw, bw = self.graphs()
         run_passes(fw, settings(bucket_bytes=256 << 20))
-        self.assertEqual(len([c for c in collective_sequence(fw) if c.startswith("all_gather")]), 1)
+        run_passes(bw, settings(bucket_bytes=256 << 20))
+        self.assertEqual(
+            [c for c in collective_sequence(fw) if c.startswith("all_gather")],
+            [
+                "all_gather_into_tensor[262656]",  # blocks.0
+                "all_gather_into_tensor[525312]",  # blocks.1 + blocks.2
+                "all_gather_into_tensor[8, 512]",  # head
+            ],
+        )
+        self.assertEqual(
+            [c for c in collective_sequence(bw) if c.startswith("reduce_scatter")],
+            [
+                "reduce_scatter_tensor[4, 512]",  # head, the first grads of backward
+                "reduce_scatter_tensor[262656]",  # blocks.2 + blocks.1
+                "reduce_scatter_tensor[131328]",  # blocks.0, the last
+            ],
+        )
 
     def test_prefetch_issues_the_next_gather_before_this_blocks_matmul(self):
         fw, _ = self.graphs()
@@ -185,30 +205,28 @@ view_default_8: "f32[512, 512]" = aten.view(clone_default_2, [512, 512])
 view_default_9: "f32[512]" = aten.view(clone_default_3, [512])
 view_4: "f32[256, 512]" = aten.view(primals_10, [256, 512])
 view_5: "f32[256]" = aten.view(primals_12, [256])
-view_6: "f32[4, 512]" = aten.view(primals_14, [4, 512])
 view_default_10: "f32[131072]" = aten.view(view_4, [-1])
 view_default_11: "f32[256]" = aten.view(view_5, [-1])
-view_default_12: "f32[2048]" = aten.view(view_6, [-1])
-cat_default_2: "f32[133376]" = aten.cat([view_default_10, view_default_11, view_default_12], 0);  view_default_10 = view_default_11 = view_default_12 = None
-all_gather_into_tensor_default_2: "f32[266752]" = _c10d_functional.all_gather_into_tensor(cat_default_2, 2, '0')
+cat_default_2: "f32[131328]" = aten.cat([view_default_10, view_default_11], 0);  view_default_10 = view_default_11 = None
+all_gather_into_tensor_default_2: "f32[262656]" = _c10d_functional.all_gather_into_tensor(cat_default_2, 2, '0')
 t_1: "f32[512, 512]" = aten.t(view_default_8)
 addmm_1: "f32[4, 512]" = aten.addmm(view_default_9, relu, t_1);  view_default_9 = t_1 = None
 relu_1: "f32[4, 512]" = aten.relu(addmm_1)
-wait_tensor_default_2: "f32[266752]" = _c10d_functional.wait_tensor(all_gather_into_tensor_default_2)
-view_default_13: "f32[2, 133376]" = aten.view(wait_tensor_default_2, [2, 133376])
-slice_tensor_4: "f32[2, 131072]" = aten.slice.Tensor(view_default_13, 1, 0, 131072)
+wait_tensor_default_2: "f32[262656]" = _c10d_functional.wait_tensor(all_gather_into_tensor_default_2)
+view_default_12: "f32[2, 131328]" = aten.view(wait_tensor_default_2, [2, 131328])
+slice_tensor_4: "f32[2, 131072]" = aten.slice.Tensor(view_default_12, 1, 0, 131072)
 clone_default_4: "f32[2, 131072]" = aten.clone(slice_tensor_4, memory_format = torch.contiguous_format)
-slice_tensor_5: "f32[2, 256]" = aten.slice.Tensor(view_default_13, 1, 131072, 131328)
+slice_tensor_5: "f32[2, 256]" = aten.slice.Tensor(view_default_12, 1, 131072, 131328)
 clone_default_5: "f32[2, 256]" = aten.clone(slice_tensor_5, memory_format = torch.contiguous_format)
-slice_tensor_6: "f32[2, 2048]" = aten.slice.Tensor(view_default_13, 1, 131328, 133376)
-clone_default_6: "f32[2, 2048]" = aten.clone(slice_tensor_6, memory_format = torch.contiguous_format)
-view_default_14: "f32[512, 512]" = aten.view(clone_default_4, [512, 512])
-view_default_15: "f32[512]" = aten.view(clone_default_5, [512])
-view_default_16: "f32[8, 512]" = aten.view(clone_default_6, [8, 512])
-t_2: "f32[512, 512]" = aten.t(view_default_14)
-addmm_2: "f32[4, 512]" = aten.addmm(view_default_15, relu_1, t_2);  view_default_15 = t_2 = None
+view_default_13: "f32[512, 512]" = aten.view(clone_default_4, [512, 512])
+view_default_14: "f32[512]" = aten.view(clone_default_5, [512])
+view_6: "f32[4, 512]" = aten.view(primals_14, [4, 512])
+all_gather_into_tensor_6: "f32[8, 512]" = _c10d_functional.all_gather_into_tensor(view_6, 2, '0')
+t_2: "f32[512, 512]" = aten.t(view_default_13)
+addmm_2: "f32[4, 512]" = aten.addmm(view_default_14, relu_1, t_2);  view_default_14 = t_2 = None
 relu_2: "f32[4, 512]" = aten.relu(addmm_2)
-t_3: "f32[512, 8]" = aten.t(view_default_16)
+wait_tensor_6: "f32[8, 512]" = _c10d_functional.wait_tensor(all_gather_into_tensor_6)
+t_3: "f32[512, 8]" = aten.t(wait_tensor_6)
 mm: "f32[4, 8]" = aten.mm(relu_2, t_3)
 return (mm, primals_1, primals_5, primals_6, primals_8, view_1, relu, relu_1, view_4, view_5, relu_2, view_6)""",
         )
@@ -219,29 +237,22 @@ def forward(self, primals_1: "f32[256, 512]", primals_5: "f32[4, 512]", primals_
 t_4: "f32[8, 4]" = aten.t(tangents_1)
 mm_1: "f32[8, 512]" = aten.mm(t_4, relu_2)
 t_5: "f32[512, 8]" = aten.t(mm_1)
-view_default: "f32[2048]" = aten.view(view_6, [-1])
-view_default_1: "f32[131072]" = aten.view(view_4, [-1])
-cat_default: "f32[133120]" = aten.cat([view_default, view_default_1], 0);  view_default = view_default_1 = None
-all_gather_into_tensor_default: "f32[266240]" = _c10d_functional.all_gather_into_tensor(cat_default, 2, '0')
-wait_tensor_default: "f32[266240]" = _c10d_functional.wait_tensor(all_gather_into_tensor_default)
-view_default_2: "f32[2, 133120]" = aten.view(wait_tensor_default, [2, 133120])
-slice_tensor: "f32[2, 2048]" = aten.slice.Tensor(view_default_2, 1, 0, 2048)
-clone_default: "f32[2, 2048]" = aten.clone(slice_tensor, memory_format = torch.contiguous_format)
-slice_tensor_1: "f32[2, 131072]" = aten.slice.Tensor(view_default_2, 1, 2048, 133120)
-clone_default_1: "f32[2, 131072]" = aten.clone(slice_tensor_1, memory_format = torch.contiguous_format)
-view_default_3: "f32[8, 512]" = aten.view(clone_default, [8, 512])
-view_default_4: "f32[512, 512]" = aten.view(clone_default_1, [512, 512])
-view_2: "f32[256, 512]" = aten.view(primals_6, [256, 512])
-all_gather_into_tensor_2: "f32[512, 512]" = _c10d_functional.all_gather_into_tensor(view_2, 2, '0')
-t_3: "f32[512, 8]" = aten.t(view_default_3)
+all_gather_into_tensor_6: "f32[8, 512]" = _c10d_functional.all_gather_into_tensor(view_6, 2, '0')
+wait_tensor_6: "f32[8, 512]" = _c10d_functional.wait_tensor(all_gather_into_tensor_6)
+all_gather_into_tensor_4: "f32[512, 512]" = _c10d_functional.all_gather_into_tensor(view_4, 2, '0')
+t_3: "f32[512, 8]" = aten.t(wait_tensor_6)
 t_6: "f32[8, 512]" = aten.t(t_3)
 mm_2: "f32[4, 512]" = aten.mm(tangents_1, t_6);  tangents_1 = t_6 = None
 t_7: "f32[8, 512]" = aten.t(t_5)
 div: "f32[8, 512]" = aten.div.Tensor(t_7, 2)
+reduce_scatter_tensor: "f32[4, 512]" = _c10d_functional.reduce_scatter_tensor(div, 'sum', 2, '0')
 detach_14: "f32[4, 512]" = aten.detach(relu_2)
 detach_17: "f32[4, 512]" = aten.detach(detach_14)
 threshold_backward: "f32[4, 512]" = aten.threshold_backward(mm_2, detach_17, 0);  mm_2 = detach_17 = None
-t_2: "f32[512, 512]" = aten.t(view_default_4)
+wait_tensor_4: "f32[512, 512]" = _c10d_functional.wait_tensor(all_gather_into_tensor_4)
+view_2: "f32[256, 512]" = aten.view(primals_6, [256, 512])
+all_gather_into_tensor_2: "f32[512, 512]" = _c10d_functional.all_gather_into_tensor(view_2, 2, '0')
+t_2: "f32[512, 512]" = aten.t(wait_tensor_4)
 t_8: "f32[512, 512]" = aten.t(t_2)
 mm_3: "f32[4, 512]" = aten.mm(threshold_backward, t_8)
 t_9: "f32[512, 4]" = aten.t(threshold_backward)
@@ -252,12 +263,13 @@ view_8: "f32[512]" = aten.view(sum_1, [512])
 t_11: "f32[512, 512]" = aten.t(t_10)
 div_1: "f32[512]" = aten.div.Tensor(view_8, 2)
 div_2: "f32[512, 512]" = aten.div.Tensor(t_11, 2)
-view_default_5: "f32[2, 2048]" = aten.view(div, [2, -1])
-view_default_6: "f32[2, 256]" = aten.view(div_1, [2, -1])
-view_default_7: "f32[2, 131072]" = aten.view(div_2, [2, -1])
-cat_default_1: "f32[2, 133376]" = aten.cat([view_default_5, view_default_6, view_default_7], 1);  view_default_5 = view_default_6 = view_default_7 = None
-view_default_8: "f32[266752]" = aten.view(cat_default_1, [-1])
-reduce_scatter_tensor_default: "f32[133376]" = _c10d_functional.reduce_scatter_tensor(view_default_8, 'sum', 2, '0')
+view_default: "f32[2, 256]" = aten.view(div_1, [2, -1])
+view_default_1: "f32[2, 131072]" = aten.view(div_2, [2, -1])
+cat_default: "f32[2, 131328]" = aten.cat([view_default, view_default_1], 1);  view_default = view_default_1 = None
+view_default_2: "f32[262656]" = aten.view(cat_default, [-1])
+wait_tensor_7: "f32[4, 512]" = _c10d_functional.wait_tensor(reduce_scatter_tensor)
+view_7: "f32[4, 512]" = aten.view(wait_tensor_7, [4, 512])
+reduce_scatter_tensor_default: "f32[131328]" = _c10d_functional.reduce_scatter_tensor(view_default_2, 'sum', 2, '0')
 detach_9: "f32[4, 512]" = aten.detach(relu_1)
 detach_18: "f32[4, 512]" = aten.detach(detach_9)
 threshold_backward_1: "f32[4, 512]" = aten.threshold_backward(mm_3, detach_18, 0);  mm_3 = detach_18 = None
@@ -273,21 +285,18 @@ view_11: "f32[512]" = aten.view(sum_2, [512])
 t_15: "f32[512, 512]" = aten.t(t_14)
 div_3: "f32[512]" = aten.div.Tensor(view_11, 2)
 div_4: "f32[512, 512]" = aten.div.Tensor(t_15, 2)
-view_default_12: "f32[2, 256]" = aten.view(div_3, [2, -1])
-view_default_13: "f32[2, 131072]" = aten.view(div_4, [2, -1])
-cat_default_2: "f32[2, 131328]" = aten.cat([view_default_12, view_default_13], 1);  view_default_12 = view_default_13 = None
-view_default_14: "f32[262656]" = aten.view(cat_default_2, [-1])
-wait_tensor_default_1: "f32[133376]" = _c10d_functional.wait_tensor(reduce_scatter_tensor_default)
-slice_tensor_2: "f32[2048]" = aten.slice.Tensor(wait_tensor_default_1, 0, 0, 2048)
-slice_tensor_3: "f32[256]" = aten.slice.Tensor(wait_tensor_default_1, 0, 2048, 2304)
-slice_tensor_4: "f32[131072]" = aten.slice.Tensor(wait_tensor_default_1, 0, 2304, 133376)
-view_default_9: "f32[4, 512]" = aten.view(slice_tensor_2, [4, 512])
-view_7: "f32[4, 512]" = aten.view(view_default_9, [4, 512])
-view_default_10: "f32[256]" = aten.view(slice_tensor_3, [256])
-view_9: "f32[256]" = aten.view(view_default_10, [256])
-view_default_11: "f32[256, 512]" = aten.view(slice_tensor_4, [256, 512])
-view_10: "f32[256, 512]" = aten.view(view_default_11, [256, 512])
-reduce_scatter_tensor_default_1: "f32[131328]" = _c10d_functional.reduce_scatter_tensor(view_default_14, 'sum', 2, '0')
+view_default_5: "f32[2, 256]" = aten.view(div_3, [2, -1])
+view_default_6: "f32[2, 131072]" = aten.view(div_4, [2, -1])
+cat_default_1: "f32[2, 131328]" = aten.cat([view_default_5, view_default_6], 1);  view_default_5 = view_default_6 = None
+view_default_7: "f32[262656]" = aten.view(cat_default_1, [-1])
+wait_tensor_default: "f32[131328]" = _c10d_functional.wait_tensor(reduce_scatter_tensor_default)
+slice_tensor: "f32[256]" = aten.slice.Tensor(wait_tensor_default, 0, 0, 256)
+slice_tensor_1: "f32[131072]" = aten.slice.Tensor(wait_tensor_default, 0, 256, 131328)
+view_default_3: "f32[256]" = aten.view(slice_tensor, [256])
+view_9: "f32[256]" = aten.view(view_default_3, [256])
+view_default_4: "f32[256, 512]" = aten.view(slice_tensor_1, [256, 512])
+view_10: "f32[256, 512]" = aten.view(view_default_4, [256, 512])
+reduce_scatter_tensor_default_1: "f32[131328]" = _c10d_functional.reduce_scatter_tensor(view_default_7, 'sum', 2, '0')
 detach_4: "f32[4, 512]" = aten.detach(relu)
 detach_19: "f32[4, 512]" = aten.detach(detach_4)
 threshold_backward_2: "f32[4, 512]" = aten.threshold_backward(mm_5, detach_19, 0);  mm_5 = detach_19 = None
@@ -299,25 +308,25 @@ view_14: "f32[512]" = aten.view(sum_3, [512])
 t_18: "f32[512, 512]" = aten.t(t_17)
 div_5: "f32[512]" = aten.div.Tensor(view_14, 2)
 div_6: "f32[512, 512]" = aten.div.Tensor(t_18, 2)
-view_default_17: "f32[2, 256]" = aten.view(div_5, [2, -1])
-view_default_18: "f32[2, 131072]" = aten.view(div_6, [2, -1])
-cat_default_3: "f32[2, 131328]" = aten.cat([view_default_17, view_default_18], 1);  view_default_17 = view_default_18 = None
-view_default_19: "f32[262656]" = aten.view(cat_default_3, [-1])
-wait_tensor_default_2: "f32[131328]" = _c10d_functional.wait_tensor(reduce_scatter_tensor_default_1)
-slice_tensor_5: "f32[256]" = aten.slice.Tensor(wait_tensor_default_2, 0, 0, 256)
-slice_tensor_6: "f32[131072]" = aten.slice.Tensor(wait_tensor_default_2, 0, 256, 131328)
-view_default_15: "f32[256]" = aten.view(slice_tensor_5, [256])
-view_12: "f32[256]" = aten.view(view_default_15, [256])
-view_default_16: "f32[256, 512]" = aten.view(slice_tensor_6, [256, 512])
-view_13: "f32[256, 512]" = aten.view(view_default_16, [256, 512])
-reduce_scatter_tensor_default_2: "f32[131328]" = _c10d_functional.reduce_scatter_tensor(view_default_19, 'sum', 2, '0')
-wait_tensor_default_3: "f32[131328]" = _c10d_functional.wait_tensor(reduce_scatter_tensor_default_2)
-slice_tensor_7: "f32[256]" = aten.slice.Tensor(wait_tensor_default_3, 0, 0, 256)
-slice_tensor_8: "f32[131072]" = aten.slice.Tensor(wait_tensor_default_3, 0, 256, 131328)
-view_default_20: "f32[256]" = aten.view(slice_tensor_7, [256])
-view_15: "f32[256]" = aten.view(view_default_20, [256])
-view_default_21: "f32[256, 512]" = aten.view(slice_tensor_8, [256, 512])
-view_16: "f32[256, 512]" = aten.view(view_default_21, [256, 512])
+view_default_10: "f32[2, 256]" = aten.view(div_5, [2, -1])
+view_default_11: "f32[2, 131072]" = aten.view(div_6, [2, -1])
+cat_default_2: "f32[2, 131328]" = aten.cat([view_default_10, view_default_11], 1);  view_default_10 = view_default_11 = None
+view_default_12: "f32[262656]" = aten.view(cat_default_2, [-1])
+wait_tensor_default_1: "f32[131328]" = _c10d_functional.wait_tensor(reduce_scatter_tensor_default_1)
+slice_tensor_2: "f32[256]" = aten.slice.Tensor(wait_tensor_default_1, 0, 0, 256)
+slice_tensor_3: "f32[131072]" = aten.slice.Tensor(wait_tensor_default_1, 0, 256, 131328)
+view_default_8: "f32[256]" = aten.view(slice_tensor_2, [256])
+view_12: "f32[256]" = aten.view(view_default_8, [256])
+view_default_9: "f32[256, 512]" = aten.view(slice_tensor_3, [256, 512])
+view_13: "f32[256, 512]" = aten.view(view_default_9, [256, 512])
+reduce_scatter_tensor_default_2: "f32[131328]" = _c10d_functional.reduce_scatter_tensor(view_default_12, 'sum', 2, '0')
+wait_tensor_default_2: "f32[131328]" = _c10d_functional.wait_tensor(reduce_scatter_tensor_default_2)
+slice_tensor_4: "f32[256]" = aten.slice.Tensor(wait_tensor_default_2, 0, 0, 256)
+slice_tensor_5: "f32[131072]" = aten.slice.Tensor(wait_tensor_default_2, 0, 256, 131328)
+view_default_13: "f32[256]" = aten.view(slice_tensor_4, [256])
+view_15: "f32[256]" = aten.view(view_default_13, [256])
+view_default_14: "f32[256, 512]" = aten.view(slice_tensor_5, [256, 512])
+view_16: "f32[256, 512]" = aten.view(view_default_14, [256, 512])
 return (view_16, view_15, None, view_13, view_12, view_10, view_9, view_7)""",
         )
 

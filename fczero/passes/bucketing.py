@@ -18,6 +18,13 @@ Buckets are formed in program order from whole blocks (``matching.block_key``),
 packed while they fit in ``bucket_bytes``; a bucket under ``_MIN_BUCKET`` always takes
 the next block. All of it reads shapes and module paths only, so every rank forms
 the same buckets.
+
+[Note: small ends]
+The first all-gather of a forward has nothing to overlap with, and neither has the last
+reduce-scatter of a backward: their time is exposed. So with three or more blocks the
+first and the last block of a graph never share a bucket with a neighbour (whatever
+``bucket_bytes`` allows), the middle blocks are packed up to the cap, and a model of
+three or more blocks never goes out as one collective.
 """
 
 from __future__ import annotations
@@ -47,23 +54,24 @@ def plan_buckets(collectives: list[Collective], bucket_bytes: int) -> list[list[
     """Group collectives (in program order) into buckets of whole blocks.
 
     A block's collectives stay together (split only if the block alone exceeds
-    ``bucket_bytes``); consecutive blocks share a bucket while the total fits in
-    ``bucket_bytes``. Fewer, larger collectives cost less CPU time to launch; larger
-    buckets keep more gathered bytes alive. Group and dtype never mix.
+    ``bucket_bytes``), also when a neighbouring block's collectives come between them
+    (backward computes a block's small grads, such as norm weights, late); consecutive
+    blocks share a bucket while the total fits in ``bucket_bytes``. Fewer, larger
+    collectives cost less CPU time to launch; larger buckets keep more gathered bytes
+    alive. Group and dtype never mix.
+
+    With three or more blocks, the first and the last block each get a bucket of their
+    own ([Note: small ends]).
     """
-    blocks: list[list[Collective]] = []
-    for c in collectives:
-        last = blocks[-1][-1] if blocks else None
-        if last is not None and c.block == last.block and _same_kind(c, last):
-            blocks[-1].append(c)
-        else:
-            blocks.append([c])
+    blocks = _blocks(collectives)
     buckets: list[list[Collective]] = []
     size = 0
-    for block in blocks:
+    for i, block in enumerate(blocks):
         block_size = sum(c.bytes for c in block)
+        alone = len(blocks) >= 3 and i in (1, len(blocks) - 1)  # joins neither neighbour
         fits = (
             bool(buckets)
+            and not alone
             and _same_kind(block[0], buckets[-1][0])
             and (size + block_size <= bucket_bytes or size < _MIN_BUCKET)
         )
@@ -80,6 +88,22 @@ def plan_buckets(collectives: list[Collective], bucket_bytes: int) -> list[list[
             buckets[-1].append(c)
             size += c.bytes
     return buckets
+
+
+def _blocks(collectives: list[Collective]) -> list[list[Collective]]:
+    """Collectives grouped by block key, in program order: a collective joins its block's
+    group if that group is one of the last two (so two blocks may interleave), else it
+    starts a new group."""
+    blocks: list[list[Collective]] = []
+    for c in collectives:
+        home = next(
+            (b for b in blocks[-2:] if b[0].block == c.block and _same_kind(b[0], c)), None
+        )
+        if home is not None:
+            home.append(c)
+        else:
+            blocks.append([c])
+    return blocks
 
 
 def _same_kind(a: Collective, b: Collective) -> bool:

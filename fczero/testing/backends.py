@@ -4,6 +4,8 @@
 recompute tags, then fczero's activation offload when a group asks for it), applies
 ``fczero.passes.run_passes`` to the forward and backward graphs, and runs them without code generation: the passes' numerics on real gloo
 ranks in seconds. ``recorded`` keeps the rewritten graphs for inspection.
+
+``inductor-cudagraphs`` is stock Inductor with CUDA graphs (GPU tests).
 """
 
 from __future__ import annotations
@@ -30,4 +32,15 @@ aot_eager_with_passes = aot_autograd(
     partition_fn=partition,
 )
 
-BACKENDS = {"aot_eager_with_passes": aot_eager_with_passes}
+def inductor_cudagraphs(gm: fx.GraphModule, example_inputs) -> object:
+    """Stock Inductor with CUDA graphs: what ``torch.compile(mode="reduce-overhead")`` runs
+    (as a backend, so a compile counter can wrap it)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": True})
+
+
+BACKENDS = {
+    "aot_eager_with_passes": aot_eager_with_passes,
+    "inductor-cudagraphs": inductor_cudagraphs,
+}

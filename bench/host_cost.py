@@ -1,0 +1,145 @@
+"""Host cost on the CPU: what fczero adds to a step's Python and dispatch time.
+
+    python -m bench.host_cost                                  # 2, 4, 8, 16 blocks, Inductor
+    python -m bench.host_cost --layers 2 --backend aot_eager   # the suite's smoke run
+
+One process joins a fake process group (``world`` ranks, default 2) whose collectives
+return at once, so nothing is communicated and nothing waits: the model is tiny (width
+32), so its kernels cost next to nothing and a step's time is host work. For each size
+it times the plain model and fczero's, eager and compiled, phase by phase
+(``bench.phases``), and reports each fczero arm's host time over the plain model's in
+the same mode. The sweep over blocks shows the cost per parameter and per collective:
+each block adds 9 params and, compiled, one bucket of collectives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from bench.arms import LossModule, TrainStep
+from bench.phases import time_phases
+from bench.report import PHASES
+from fczero.models.llama import Llama, LlamaConfig
+
+logger = logging.getLogger("fczero.bench")
+
+ARMS = ("plain-eager", "plain-compiled", "fczero-eager", "fczero-compiled")
+"""Every arm, in the order they run; ``fczero-X`` is compared with ``plain-X``."""
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.host_cost", description=__doc__.split("\n")[0])
+    p.add_argument("--layers", default="2,4,8,16", help="decoder blocks to sweep (comma-separated)")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"from {', '.join(ARMS)}")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
+    p.add_argument("--world", type=int, default=2, help="ranks of the fake process group")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per arm (median)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiling)")
+    p.add_argument("--out", type=Path, help="write results.jsonl and results.md here")
+    args = p.parse_args(argv)
+    args.layers = [int(n) for n in args.layers.split(",") if n.strip()]
+    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in args.arms if a not in ARMS]
+    if unknown:
+        p.error(f"unknown arm(s) {unknown}; pick from {', '.join(ARMS)}")
+    return args
+
+
+def build(arm: str, layers: int, backend: str, mesh) -> tuple[TrainStep, int]:
+    """The arm's step over a fresh tiny Llama of ``layers`` blocks, and its param count."""
+    import fczero
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=2, ffn_dim=64, max_seq_len=16)
+    root: nn.Module = LossModule(Llama(cfg))
+    if arm.startswith("fczero"):
+        fczero.parallelize(root, mesh)
+    params = list(root.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    module = torch.compile(root, backend=backend) if arm.endswith("compiled") else root
+    return TrainStep(module, opt), len(params)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+    try:
+        return _sweep(args, init_device_mesh("cpu", (args.world,)))
+    finally:
+        torch._dynamo.reset()
+        if own_group:
+            dist.destroy_process_group()
+
+
+def _sweep(args: argparse.Namespace, mesh) -> list[dict]:
+    batches = [torch.randint(0, 64, (1, 17))]
+    records = []
+    for layers in args.layers:
+        for arm in args.arms:
+            torch._dynamo.reset()
+            step, n_params = build(arm, layers, args.backend, mesh)
+            for _ in range(args.warmup):
+                step(batches[0])
+            phases = time_phases(step, batches, steps=args.steps, device=torch.device("cpu"))
+            total = sum(phases[p]["host_ms"] for p in PHASES)
+            records.append({"arm": arm, "layers": layers, "params": n_params, "backend": args.backend,
+                            "host_ms": total, **{p: phases[p]["host_ms"] for p in PHASES}})  # fmt: skip
+            logger.info("%s, %d blocks: %.2f host ms/step", arm, layers, total)
+    for r in records:
+        base = next((b for b in records if b["layers"] == r["layers"]
+                     and b["arm"] == r["arm"].replace("fczero", "plain")), None)  # fmt: skip
+        r["x_plain"] = r["host_ms"] / base["host_ms"] if base and r["arm"].startswith("fczero") else None
+    return records
+
+
+def per_param_ms(records: list[dict], arm: str) -> float | None:
+    """Host ms each extra param adds (slope between the smallest and largest size)."""
+    rows = sorted((r for r in records if r["arm"] == arm), key=lambda r: r["params"])
+    if len(rows) < 2 or rows[-1]["params"] == rows[0]["params"]:
+        return None
+    return (rows[-1]["host_ms"] - rows[0]["host_ms"]) / (rows[-1]["params"] - rows[0]["params"])
+
+
+def markdown(records: list[dict]) -> str:
+    head = ["blocks", "params", "arm", *(f"{p} ms" for p in PHASES), "host ms/step", "x plain"]
+    lines = ["| " + " | ".join(head) + " |", "| ---: | ---: | --- |" + " ---: |" * (len(head) - 3)]
+    for r in records:
+        ratio = f"{r['x_plain']:.2f}" if r["x_plain"] is not None else "-"
+        cells = [str(r["layers"]), str(r["params"]), r["arm"], *(f"{r[p]:.2f}" for p in PHASES),
+                 f"{r['host_ms']:.2f}", ratio]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    slopes = [(a, per_param_ms(records, a)) for a in dict.fromkeys(r["arm"] for r in records)]
+    lines += ["", "Host ms per param (slope over the sweep): "
+              + ", ".join(f"{a} {s * 1e3:.1f} us" for a, s in slopes if s is not None)]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    records = run(args)
+    text = markdown(records)
+    sys.stdout.write(text)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (args.out / "results.md").write_text(
+            f"# Host cost, torch {torch.__version__}, backend {args.backend}\n\n{text}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
