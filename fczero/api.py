@@ -313,6 +313,7 @@ def _install_passes(
         replicate_group=replicate.get_group().group_name if replicate is not None else None,
         activation_offload=options.activation_offload,
         offload_min_bytes=options.offload_min_bytes,
+        param_itemsize=options.param_dtype.itemsize if options.param_dtype else None,
     )
     install()
     offload_partition.forget(mesh.get_group().group_name)

@@ -19,6 +19,7 @@ import fczero
 from fczero import local_step
 from fczero.testing.distributed import run_on_ranks
 from tests.models import UnevenTiedMLP
+from tests.test_offload_optimizer import _train as train_steps
 
 OPTIMIZERS = {
     "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
@@ -49,12 +50,7 @@ def _train(make_opt, steps: int = 3):
     opt.register_step_pre_hook(
         lambda o, *_: seen.append({type(p) for g in o.param_groups for p in g["params"]})
     )
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        x = torch.randn(6, 5, generator=gen)
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+    train_steps(model, opt, steps)
     return model, opt, seen
 
 

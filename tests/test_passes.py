@@ -110,6 +110,43 @@ class PassTest(expecttest.TestCase):
             ],
         )
 
+    def test_reduces_are_sized_in_the_gathered_dtype(self):
+        # a block's fp32 grads are twice its bf16 params: counted at the param dtype's 2
+        # bytes a block is one reduce-scatter, as it is one all-gather; counted at their
+        # own 4 bytes the same cap splits every block
+        def reduces(itemsize):
+            _, bw = self.graphs()
+            run_passes(bw, settings(bucket_bytes=3 << 18, param_itemsize=itemsize))
+            return [c for c in collective_sequence(bw) if c.startswith("reduce_scatter")]
+
+        # at 2 bytes: the head alone, blocks 2 and 1 (a bucket under 1 MiB takes the next
+        # block), block 0 alone; at 4 bytes each block is over the cap and split
+        self.assertEqual(
+            reduces(2),
+            [
+                "reduce_scatter_tensor[4, 512]",
+                "reduce_scatter_tensor[262656]",
+                "reduce_scatter_tensor[131328]",
+            ],
+        )
+        self.assertEqual(len(reduces(None)), 7)  # the head, then each bias and weight apart
+
+    def test_reduce_scatters_are_waited_after_a_matmul(self):
+        # every reduce-scatter but the last is in flight across at least one matmul
+        _, bw = self.graphs()
+        run_passes(bw, settings())
+        names = [str(n.target) for n in bw.graph.nodes if n.op == "call_function"]
+        issued = [i for i, t in enumerate(names) if "reduce_scatter_tensor" in t]
+        waits = []
+        for node in bw.graph.nodes:
+            if "reduce_scatter_tensor" in str(node.target):
+                (wait,) = node.users
+                waits.append(wait)
+        order = {n: i for i, n in enumerate(n for n in bw.graph.nodes if n.op == "call_function")}
+        matmuls = [i for i, t in enumerate(names) if t in ("aten.mm.default", "aten.addmm.default")]
+        for start, wait in list(zip(issued, waits))[:-1]:
+            self.assertTrue(any(start < m < order[wait] for m in matmuls), names)
+
     def test_prefetch_issues_the_next_gather_before_this_blocks_matmul(self):
         fw, _ = self.graphs()
         run_passes(fw, settings())

@@ -41,7 +41,9 @@ def run_passes(gm: fx.GraphModule, settings: PassSettings | None = None) -> fx.G
     groups = settings.groups
     if settings.bucket_bytes > 0:
         gm = bucket_all_gathers_pass(gm, groups, settings.bucket_bytes)
-        gm = bucket_reduce_scatters_pass(gm, groups, settings.bucket_bytes)
+        gm = bucket_reduce_scatters_pass(
+            gm, groups, settings.bucket_bytes, settings.param_itemsize
+        )
         gm = bucket_all_reduces_pass(gm, groups | settings.replicate_groups, settings.bucket_bytes)
     gm = sink_waits_pass(gm, groups)
     gm = prefetch_all_gathers_pass(gm, groups, settings.prefetch, settings.memory_budget)

@@ -50,7 +50,9 @@ logger = logging.getLogger("fczero")
 _MIN_BUCKET = 1 << 20  # 1 MiB: a lone norm weight is not worth its own collective
 
 
-def plan_buckets(collectives: list[Collective], bucket_bytes: int) -> list[list[Collective]]:
+def plan_buckets(
+    collectives: list[Collective], bucket_bytes: int, itemsize: int | None = None
+) -> list[list[Collective]]:
     """Group collectives (in program order) into buckets of whole blocks.
 
     A block's collectives stay together (split only if the block alone exceeds
@@ -61,13 +63,15 @@ def plan_buckets(collectives: list[Collective], bucket_bytes: int) -> list[list[
     alive. Group and dtype never mix.
 
     With three or more blocks, the first and the last block each get a bucket of their
-    own ([Note: small ends]).
+    own ([Note: small ends]). ``itemsize``: count every collective's elements at that many
+    bytes (the gathered ``param_dtype``'s), so that a block's fp32 grads make as many
+    reduce-scatters as its bf16 params make all-gathers; None counts their own bytes.
     """
     blocks = _blocks(collectives)
     buckets: list[list[Collective]] = []
     size = 0
     for i, block in enumerate(blocks):
-        block_size = sum(c.bytes for c in block)
+        block_size = sum(c.bytes_as(itemsize) for c in block)
         alone = len(blocks) >= 3 and i in (1, len(blocks) - 1)  # joins neither neighbour
         fits = (
             bool(buckets)
@@ -82,11 +86,11 @@ def plan_buckets(collectives: list[Collective], bucket_bytes: int) -> list[list[
         buckets.append([])
         size = 0
         for c in block:  # a block larger than the cap is split at the cap
-            if buckets[-1] and size + c.bytes > bucket_bytes:
+            if buckets[-1] and size + c.bytes_as(itemsize) > bucket_bytes:
                 buckets.append([])
                 size = 0
             buckets[-1].append(c)
-            size += c.bytes
+            size += c.bytes_as(itemsize)
     return buckets
 
 
@@ -117,17 +121,22 @@ def bucket_all_gathers_pass(
 
 
 def bucket_reduce_scatters_pass(
-    gm: fx.GraphModule, groups: set[str], bucket_bytes: int
+    gm: fx.GraphModule, groups: set[str], bucket_bytes: int, itemsize: int | None = None
 ) -> fx.GraphModule:
-    return _bucket(
-        gm, find_reduces(gm.graph, groups), bucket_bytes, _merge_reduces, "reduce-scatters"
-    )
+    """``itemsize``: see ``plan_buckets`` (the bytes of an element of ``param_dtype``)."""
+    reduces = find_reduces(gm.graph, groups)
+    return _bucket(gm, reduces, bucket_bytes, _merge_reduces, "reduce-scatters", itemsize)
 
 
 def _bucket(
-    gm: fx.GraphModule, collectives: list[Collective], bucket_bytes: int, merge, what: str
+    gm: fx.GraphModule,
+    collectives: list[Collective],
+    bucket_bytes: int,
+    merge,
+    what: str,
+    itemsize: int | None = None,
 ) -> fx.GraphModule:
-    buckets = [b for b in plan_buckets(collectives, bucket_bytes) if len(b) > 1]
+    buckets = [b for b in plan_buckets(collectives, bucket_bytes, itemsize) if len(b) > 1]
     if not buckets:
         return gm
     graph = gm.graph

@@ -63,6 +63,12 @@ class Collective:
         """Bytes on the unsharded side: a gather's output, a reduce's input."""
         return max(nbytes(self.node), nbytes(self.input))
 
+    def bytes_as(self, itemsize: int | None) -> int:
+        """``bytes`` counted at ``itemsize`` bytes per element (None: its own dtype's)."""
+        if itemsize is None:
+            return self.bytes
+        return self.bytes // self.dtype.itemsize * itemsize
+
     @property
     def block(self) -> str:
         return block_key(self.node)

@@ -23,6 +23,8 @@ class PassSettings:
     replicate_groups: frozenset[str] = frozenset()  # HSDP: grads are all-reduced over these
     activation_offload: str = "off"
     offload_min_bytes: int = 0
+    # bytes of an element of param_dtype: reduces are sized at it (None: their own dtype)
+    param_itemsize: int | None = None
 
 
 _BY_GROUP: dict[str, PassSettings] = {}
@@ -37,6 +39,7 @@ def register(
     replicate_group: str | None = None,
     activation_offload: str = "off",
     offload_min_bytes: int = 0,
+    param_itemsize: int | None = None,
 ) -> None:
     """Record the settings for one group (a later ``parallelize`` on the same group wins).
     ``replicate_group``: HSDP's replicate group, whose grad all-reduces are bucketed too."""
@@ -48,6 +51,7 @@ def register(
         replicate_groups=frozenset({replicate_group}) if replicate_group else frozenset(),
         activation_offload=activation_offload,
         offload_min_bytes=offload_min_bytes,
+        param_itemsize=param_itemsize,
     )
 
 
