@@ -173,21 +173,6 @@ class ParamState:
         device = self.spec.compute_device or self.param.device  # (param offload: the device's)
         one = torch.zeros((), dtype=route.reduce_dtype, device=device)
         self.acc = one.expand(self.spec.shape).detach().requires_grad_(True)
-        if device.type == "cuda":
-            self.acc.register_post_accumulate_grad_hook(_own_accumulated_grad)
-
-
-def _own_accumulated_grad(acc: torch.Tensor) -> None:
-    """[Note: accumulated grads and CUDA graphs]
-    The first grad an accumulator receives is the backward's output itself. Under CUDA
-    graphs (``mode="reduce-overhead"``) that output lives in the graphs' memory pool, which
-    the next micro-batch's replay overwrites, while the sum must live until the synced
-    micro-batch reduces it. So on the GPU the first grad is copied out once per
-    accumulation (later micro-batches add into that copy)."""
-    owned = acc.__dict__.get("owned")
-    if acc.grad is not None and acc.grad is not owned:
-        acc.grad = acc.grad.clone()
-        acc.__dict__["owned"] = acc.grad
 
 
 #: Sharded param -> weak reference to its state (for the optimizer hooks). Both weak: the

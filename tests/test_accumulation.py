@@ -140,11 +140,7 @@ GPU_CASES = [
     ("llama", 1, None, 2, "context"),
     ("llama", 2, "inductor", 2, "late"),
     ("llama", 3, "inductor", 2, "context"),
-    # CUDA graphs: the unsynced and the synced graphs are both captured
-    ("llama", 3, "inductor-cudagraphs", 2, "context"),
-    ("llama", 2, "inductor-cudagraphs", 2, "flag"),
-    ("llama", 1, "inductor-cudagraphs", 2, "context"),
-]
+]  # (not under CUDA graphs: see troubleshooting.md, "Gradient accumulation under CUDA graphs")
 
 
 @pytest.mark.gpu
