@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
 
 from fczero import collectives
 
@@ -151,9 +152,7 @@ class _GatherBucket(torch.autograd.Function):
 def gather_bucket(members: list[tuple[ShardSpec, torch.Tensor]]) -> list[torch.Tensor]:
     """Issue one all-gather for ``members`` (``(spec, sharded param)``, one bucket); per
     member, its slice of the result, to pass to ``hand_off`` (asynchronous in eager)."""
-    from fczero.sharding import _local
-
-    shards = [_local(param) for _, param in members]
+    shards = [p.to_local() if isinstance(p, DTensor) else p for _, p in members]
     return list(_GatherBucket.apply(members[0][0], _layouts(members), *shards))
 
 
@@ -161,9 +160,7 @@ def gather_bucket(members: list[tuple[ShardSpec, torch.Tensor]]) -> list[torch.T
 def regather_bucket(members: list[tuple[ShardSpec, torch.Tensor]]) -> list[torch.Tensor]:
     """Backward's regather of a bucket of saved params (no autograd: nothing reduces
     through it); per member, its slice, to pass to ``unsharded``."""
-    from fczero.sharding import _local
-
-    shards = [_local(param) for _, param in members]
+    shards = [p.to_local() if isinstance(p, DTensor) else p for _, p in members]
     return _gather_flat(members[0][0], _layouts(members), shards)
 
 

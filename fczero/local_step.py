@@ -26,10 +26,10 @@ decides which states are DTensors (``exp_avg``) and which stay plain (``step``),
 wrapped like the param and anything else stays as it is.
 
 The step runs on DTensors as before when any param of the optimizer is not a sharded
-param of a parallelized model, when a param with a grad has no state yet, when a grad or state is laid out unlike its param,
-when the optimizer's type is not listed (a subclass may change the math: it is not
-assumed elementwise), under ``torch.compile``, and while optimizer-state offload
-manages the optimizer (it moves state tensors itself).
+param of a parallelized model, when a param with a grad has no state yet, when a grad
+or state is laid out unlike its param, when the optimizer's type is not listed (a
+subclass may change the math: it is not assumed elementwise), under ``torch.compile``,
+and while optimizer-state offload manages the optimizer (it moves state tensors itself).
 
 If the step raises, the local tensors stay in the groups until the next step of that
 optimizer (or ``restore``) puts the params back.
@@ -37,15 +37,12 @@ optimizer (or ``restore``) puts the params back.
 
 from __future__ import annotations
 
-import logging
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
-
-logger = logging.getLogger("fczero")
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
