@@ -107,10 +107,15 @@ def _gather_flat(
             shard = F.pad(shard, [0, 0] * (shard.dim() - 1) + [0, pad])
         pieces.append(collectives._to(shard, spec0.param_dtype).reshape(-1))
     gathered = collectives.all_gather(torch.cat(pieces), world, spec0.group_name)
-    by_rank = gathered.view(world, -1)
+    # Slice the plain result and wrap each slice as waiting on its own: each op on an
+    # AsyncCollectiveTensor is a Python dispatch, and this saves one per member. The
+    # collective is registered by its storage, so the first slice to wait waits for it.
+    pending = isinstance(gathered, AsyncCollectiveTensor)
+    by_rank = (gathered.elem if pending else gathered).view(world, -1)
     outs, offset = [], 0
     for layout in layouts:
-        outs.append(by_rank[:, offset : offset + layout.numel])
+        piece = by_rank[:, offset : offset + layout.numel]
+        outs.append(AsyncCollectiveTensor(piece) if pending else piece)
         offset += layout.numel
     return outs
 

@@ -60,6 +60,7 @@ class EagerPrefetch:
         self.window = window
         self.bucket_bytes = bucket_bytes
         self.order: list[Recorded] | None = None
+        self.sizes: list[int] = []  # unsharded bytes of each recorded gather
         self.bucket_of: dict[int, list[int]] = {}  # position -> its bucket (positions)
         self._seen: list[Recorded] = []
         self._ready: dict[int, torch.Tensor] = {}
@@ -108,23 +109,20 @@ class EagerPrefetch:
 
     def _issue_ahead(self, n: int, gather: Gather) -> None:
         """Issue the gathers after the n-th while they fit in the window (at least one)."""
-        ahead = sum(self._bytes(i) for i in self._ready if i > n)
+        sizes = self.sizes
+        ahead = sum(sizes[i] for i in self._ready if i > n)
         j = max(self._issued, n + 1)
         while j < len(self.order):
             if self.order[j][2] or j in self._ready:  # in place; or issued with its bucket
                 j += 1
                 continue
             members = self.bucket_of.get(j, [j])
-            size = sum(self._bytes(i) for i in members)
+            size = sum(sizes[i] for i in members)
             if not fits(ahead, size, self.window):
                 break
             j = self._issue(j, gather)
             ahead += size
         self._issued = j
-
-    def _bytes(self, i: int) -> int:
-        spec, param, _ = self.order[i]
-        return spec.unsharded_bytes(param)
 
     def finish(self) -> None:
         """End of forward: keep the order seen; wait for (and drop) unused prefetches."""
@@ -134,6 +132,7 @@ class EagerPrefetch:
             if not replayed:  # a new order, or one that ended early: plan its buckets
                 buckets = eager_buckets.plan(self.order, self.bucket_bytes)
                 self.bucket_of = {i: bucket for bucket in buckets for i in bucket}
+                self.sizes = [spec.unsharded_bytes(param) for spec, param, _ in self.order]
         for full in self._ready.values():
             collectives.settle(full)
         self._ready, self._seen, self._replaying = {}, [], False
