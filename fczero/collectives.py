@@ -81,6 +81,22 @@ def settle(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def wait_on(t: torch.Tensor) -> torch.Tensor:
+    """Wait (eagerly) for the collective whose result ``t`` is a plain slice of; return ``t``.
+
+    [Note: plain bucket slices]
+    An eager bucket hands its members out as plain slices of the one all-gather's result
+    (``fczero.eager_buckets``): an ``AsyncCollectiveTensor`` per member would cost a Python
+    dispatch for every op on it. The collective is registered by its result's storage, so
+    ``wait_tensor`` on any slice waits for it, and on a later slice finds nothing left to
+    wait. Every consumer of a member (``eager_buckets.unsharded``, and ``settle`` for one
+    never used) calls this first.
+    """
+    if not _tracing():
+        _c10d.wait_tensor(t.detach())
+    return t
+
+
 def all_gather(shard: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
     """Concatenate every rank's ``shard`` along dim 0 (asynchronous in eager)."""
     out = _c10d.all_gather_into_tensor(shard.contiguous(), group_size, group_name)

@@ -107,15 +107,13 @@ def _gather_flat(
             shard = F.pad(shard, [0, 0] * (shard.dim() - 1) + [0, pad])
         pieces.append(collectives._to(shard, spec0.param_dtype).reshape(-1))
     gathered = collectives.all_gather(torch.cat(pieces), world, spec0.group_name)
-    # Slice the plain result and wrap each slice as waiting on its own: each op on an
-    # AsyncCollectiveTensor is a Python dispatch, and this saves one per member. The
-    # collective is registered by its storage, so the first slice to wait waits for it.
-    pending = isinstance(gathered, AsyncCollectiveTensor)
-    by_rank = (gathered.elem if pending else gathered).view(world, -1)
+    # plain slices, waited by their consumers ([Note: plain bucket slices])
+    if isinstance(gathered, AsyncCollectiveTensor):
+        gathered = gathered.elem
+    by_rank = gathered.view(world, -1)
     outs, offset = [], 0
     for layout in layouts:
-        piece = by_rank[:, offset : offset + layout.numel]
-        outs.append(AsyncCollectiveTensor(piece) if pending else piece)
+        outs.append(by_rank[:, offset : offset + layout.numel])
         offset += layout.numel
     return outs
 
@@ -174,10 +172,9 @@ def unsharded(spec: ShardSpec, piece: torch.Tensor) -> torch.Tensor:
     (waits for the bucket). The reshape usually copies (each rank's rows lie apart in the
     bucket), but with one rank, or one row per rank, it is a view of the whole bucket:
     then it is copied here, since the reshard hooks key gathered params by storage."""
+    collectives.wait_on(piece)  # [Note: plain bucket slices]
     full = piece.reshape(spec.group_size * spec.rows_per_rank, *spec.shape[1:])
-    full = collectives.settle(full)
-    inner = full.elem if isinstance(full, AsyncCollectiveTensor) else full
-    if inner.untyped_storage().nbytes() != inner.numel() * inner.element_size():
+    if full.untyped_storage().nbytes() != full.numel() * full.element_size():
         full = full.clone()
     if full.shape[0] != spec.shape[0]:
         full = full.narrow(0, 0, spec.shape[0])

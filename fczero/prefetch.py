@@ -133,8 +133,10 @@ class EagerPrefetch:
                 buckets = eager_buckets.plan(self.order, self.bucket_bytes)
                 self.bucket_of = {i: bucket for bucket in buckets for i in bucket}
                 self.sizes = [spec.unsharded_bytes(param) for spec, param, _ in self.order]
-        for full in self._ready.values():
+        for i, full in self._ready.items():
             collectives.settle(full)
+            if i in self.bucket_of:
+                collectives.wait_on(full)  # a bucket's plain slice
         self._ready, self._seen, self._replaying = {}, [], False
 
 

@@ -222,7 +222,10 @@ class _Scope:
 
 
 def _settle(pending: torch.Tensor | _Piece) -> None:
-    collectives.settle(pending.tensor if isinstance(pending, _Piece) else pending)
+    if isinstance(pending, _Piece):
+        collectives.wait_on(pending.tensor)  # a bucket's plain slice
+    else:
+        collectives.settle(pending)
 
 
 _active: _Scope | None = None

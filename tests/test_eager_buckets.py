@@ -110,13 +110,11 @@ def test_bucketed_training_matches_the_reference():
     parity.assert_close(blocks, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_bucket_members_wait_on_their_own_with_one_collective(fake_pg):
-    """On an asynchronous group each member is its own AsyncCollectiveTensor over a plain
-    slice of the one all-gather: whichever member is used first waits for the collective,
-    and nothing stays pending once every member was handed off."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-    from fczero.collectives import settle
+def test_bucket_members_are_plain_slices_waited_by_their_consumer(fake_pg):
+    """[Note: plain bucket slices]: on an asynchronous group a bucket's members are plain
+    slices of the one all-gather; whichever member is waited first waits for the
+    collective, and nothing stays pending once every member was handed off."""
+    from fczero.collectives import wait_on
     from fczero.testing.distributed import pending_collectives
 
     model = fczero.parallelize(ThreeBlocks(dim=64), init_device_mesh("cpu", (2,)))
@@ -128,12 +126,14 @@ def test_bucket_members_wait_on_their_own_with_one_collective(fake_pg):
     with CollectiveLog() as log:
         pieces = eager_buckets.gather_bucket(members)
     assert log.count("all_gather_into_tensor") == 1
-    assert all(type(p) is AsyncCollectiveTensor for p in pieces)
-    assert all(not isinstance(p.elem, AsyncCollectiveTensor) for p in pieces)
+    assert all(type(p) is torch.Tensor for p in pieces)  # no subclass dispatch per op
     assert pending_collectives() == before + 1
-    settle(pieces[-1])  # the last member first: it waits for the bucket's collective
+    wait_on(pieces[-1])  # the last member first: it waits for the bucket's collective
     assert pending_collectives() == before
     for spec, param in members:
         full = eager_buckets.hand_off(spec, param, pieces.pop(0))
         assert full.shape == spec.shape
+    assert pending_collectives() == before
+    pieces = eager_buckets.gather_bucket(members)  # handed off at once: waited there
+    eager_buckets.hand_off(*members[0], pieces[0])
     assert pending_collectives() == before
