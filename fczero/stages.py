@@ -178,7 +178,7 @@ class ParamState:
 #: Sharded param -> weak reference to its state (for the optimizer hooks). Both weak: the
 #: model alone keeps its states (and so its params) alive.
 _STATES: WeakIdKeyDictionary = WeakIdKeyDictionary()
-#: optimizer -> (its params when looked up, their states): see ``_states_of``
+#: optimizer -> (its params when looked up, weak references to their states): ``_states_of``
 _OPTIMIZER_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _hooks_installed = False
 
@@ -365,12 +365,15 @@ def _states_of(optimizer: torch.optim.Optimizer) -> list[ParamState]:
     """The fczero params ``optimizer`` holds, looked up again only when its params change."""
     params = tuple(p for group in optimizer.param_groups for p in group["params"])
     cached = _OPTIMIZER_STATES.get(optimizer)
-    # (the key holds its params alive, so identity cannot be reused by another tensor)
+    # (the key holds its params alive, so identity cannot be reused by another tensor; the
+    # states are held weakly, as in _STATES: the model alone keeps them alive)
     if cached is not None and len(cached[0]) == len(params):
         if all(a is b for a, b in zip(cached[0], params)):
-            return cached[1]
+            states = [ref() for ref in cached[1]]
+            if None not in states:
+                return states
     states = [s for s in map(_state_of, params) if s is not None]
-    _OPTIMIZER_STATES[optimizer] = (params, states)
+    _OPTIMIZER_STATES[optimizer] = (params, [weakref.ref(s) for s in states])
     return states
 
 
