@@ -68,7 +68,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a("--data-batches", type=int, default=8, help="distinct token batches cycled (default 8)")
     a("--compile-backend", help="torch.compile backend (default inductor; smoke: aot_eager)")
     a("--mode", default=None, help="torch.compile mode (default: none)")
-    a("--check-collectives", action="store_true", help="parallelize(check_collectives=True)")
+    a("--check-collectives", action="store_true", help="parallelize(check_policy=fczero.CheckPolicy())")
     a("--mem-tolerance", type=float, default=0.02, help="allowed peak growth, fraction (0.02)")
     a("--cpu", action="store_true", default=None, help="run on CPU with gloo")
     a("--nproc", type=int, help="processes when not started by torchrun (default: GPUs, or 2)")
@@ -105,10 +105,10 @@ def soak(args: argparse.Namespace, ctx: ArmContext) -> dict:
     """Run the steps; return this rank's numbers."""
     import fczero
 
-    options = {"check_collectives": True} if args.check_collectives else {}
+    mp = fczero.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    check = fczero.CheckPolicy() if args.check_collectives else None
     root = LossModule(build_model(ctx))
-    fczero.parallelize(root, ctx.mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                       **options)  # fmt: skip
+    fczero.parallelize(root, ctx.mesh, mp_policy=mp, check_policy=check)
     opt = adamw(root.parameters(), ctx)
     step = train_step(torch.compile(root, backend=args.compile_backend, mode=args.mode), opt)
     batches = make_batches(args, ctx.cfg, args.batch, args.seq, ctx.device)

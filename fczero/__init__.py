@@ -9,17 +9,20 @@ from fczero import checkpoint
 from fczero.accumulation import no_sync, set_requires_gradient_sync
 from fczero.api import is_parallelized, parallelize
 from fczero.clipping import clip_grad_norm_
-from fczero.config import ShardingOptions
 from fczero.consistency import CollectiveMismatchError
 from fczero.grads import check_finite_grads
 from fczero.offload.optimizer import offload_optimizer_states
 from fczero.offload.report import MemoryReport, memory_report
+from fczero.policies import CheckPolicy, CommPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fczero.stages import refresh_params
 
 __all__ = [
+    "CheckPolicy",
     "CollectiveMismatchError",
+    "CommPolicy",
     "MemoryReport",
-    "ShardingOptions",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "check_finite_grads",
     "checkpoint",
     "clip_grad_norm_",

@@ -12,7 +12,7 @@ may run after the ``with`` block). While sync is off, each param's whole grad (i
 synced forward takes that sum and its backward adds it before the reduce, once per
 param, then the sum is freed. Stage 3 still all-gathers every param in each forward
 (and in backward, to recompute); only the reduce is skipped. The exception is a param
-kept by selective unsharding (``unsharded_budget``): its first gather of an accumulation
+kept by selective unsharding (``keep_unsharded``): its first gather of an accumulation
 serves every micro-batch up to the synced one, and is dropped there
 (``ParamState.reused``; eager mode also gathers again if the shard changed in between).
 

@@ -17,12 +17,14 @@ from torch.utils._pytree import tree_map_only
 from fczero import consistency, guards, memory, resharding, stages, unsharding
 from fczero import meta_init as meta_device_init
 from fczero import prefetch as eager_prefetch
-from fczero.config import ShardingOptions
+from fczero import config
+from fczero.config import Options
 from fczero.meshes import MeshLayout, resolve_mesh
 from fczero.offload import params as param_offload
 from fczero.offload import partition as offload_partition
 from fczero.passes import registry
 from fczero.passes.install import install
+from fczero.policies import CheckPolicy, CommPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fczero.sharding import (
     MANAGED_ATTR,
     ROOT_ATTR,
@@ -37,28 +39,29 @@ logger = logging.getLogger("fczero")
 
 __all__ = ["parallelize", "is_parallelized"]
 
+#: parallelize's keyword options, as its signature declares them (for error messages).
+OPTION_NAMES = [
+    "stage", "reshard_after_forward", "mp_policy", "comm_policy", "offload_policy",
+    "memory_budget", "axis", "replicate_axis", "check_policy", "init_fn", "meta_init",
+]  # fmt: skip
+
 
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh,
     *,
-    param_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = None,
+    stage: int = 3,
     reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    comm_policy: CommPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    memory_budget: int | None = None,
     axis: str | int | None = None,
     replicate_axis: str | int | None = None,
-    compile_passes: bool = True,
-    bucket_bytes: int = 128 * 2**20,
-    prefetch: int = 1,
-    memory_budget: int | None = None,
-    unsharded_budget: int | str = 0,
-    offload_params: bool = False,
-    stage: int = 3,
-    check_collectives: bool = False,
-    check_timeout_s: float = 300.0,
+    check_policy: CheckPolicy | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
     meta_init: str = "module",
-    **unknown: object,
+    **deprecated: object,
 ) -> nn.Module:
     """Shard every parameter of ``model`` over ``mesh`` (ZeRO stage 3 by default), in place.
 
@@ -79,11 +82,33 @@ def parallelize(
             with ``axis`` (and, for HSDP, the replicate one with ``replicate_axis``).
             Params that are already tensor-parallel DTensors must live on other axes
             of this same mesh (``fczero.meshes``).
-        param_dtype, reduce_dtype, reshard_after_forward, axis, replicate_axis,
-        compile_passes, bucket_bytes, prefetch, memory_budget, unsharded_budget,
-        offload_params, stage, check_collectives, check_timeout_s: see
-            :class:`fczero.ShardingOptions`
-            (one docstring per field).
+        stage: ZeRO stage. 3: params, grads and optimizer state sharded; each param is
+            gathered when a module reads it. 2: each rank keeps a whole copy of every
+            param (refreshed by one bucketed all-gather after ``optimizer.step()``);
+            grads are reduce-scattered. 1: whole params as in stage 2; grads are
+            all-reduced in buckets and each rank keeps its rows. Optimizer state is
+            sharded in every stage.
+        reshard_after_forward: stage 3 only. True: each unsharded param is freed after
+            forward and gathered again in backward (``comm_policy.keep_unsharded`` may
+            keep some). False: every param stays gathered from forward to backward.
+        mp_policy: the dtypes to compute and reduce in (``fczero.MixedPrecisionPolicy``;
+            FSDP2's ``MixedPrecisionPolicy`` is accepted too). None: the params' own.
+        comm_policy: bucketing and prefetch of the collectives, params kept gathered
+            for backward, the compiled passes (``fczero.CommPolicy``).
+        offload_policy: params and activations in host memory (``fczero.OffloadPolicy``;
+            FSDP2's ``CPUOffloadPolicy()`` means ``OffloadPolicy(params=True)``).
+        memory_budget: device bytes every fczero planner plans within: the compiled
+            prefetch and activation offload (a graph's planned peak),
+            ``keep_unsharded="auto"`` and ``offload_optimizer_states(device_bytes="auto")``
+            (the measured step peak). None: 90% of the accelerator's memory, unlimited
+            on CPU.
+        axis: the data-parallel mesh axis (name or index); needed only when the mesh has
+            more than one axis.
+        replicate_axis: HSDP: the mesh axis over which the sharded params are
+            replicated; grads are reduce-scattered over ``axis``, then all-reduced over
+            this one. None: plain ZeRO over ``axis``.
+        check_policy: ``fczero.CheckPolicy()`` checks that every rank issues the same
+            collectives (raising ``fczero.CollectiveMismatchError`` instead of hanging).
         init_fn: for a model built on the meta device only: ``init_fn(module)``
             initializes that module's own params and buffers in place. It runs on one
             module at a time, whole on the mesh's device, children before parents (as
@@ -94,6 +119,9 @@ def parallelize(
             ``"shard"`` (each rank allocates and initializes only its shards, so no whole
             param ever exists; random values then differ from a whole init as
             ``fczero/meta_init.py`` says).
+        **deprecated: the options of earlier versions (``param_dtype``, ``bucket_bytes``,
+            ``offload_params``, ...) still work and warn with their new spelling
+            (docs/api.md lists them).
 
     Returns:
         ``model`` itself, parallelized.
@@ -101,25 +129,21 @@ def parallelize(
     Raises:
         TypeError / ValueError: for a bad option, mesh or model, before any param is
             touched and before any collective runs.
-        fczero.CollectiveMismatchError: with ``check_collectives``, when the ranks pass
+        fczero.CollectiveMismatchError: with ``check_policy``, when the ranks pass
             different models or options (also before any param is touched).
     """
-    options = ShardingOptions.from_kwargs(
-        param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype,
-        reshard_after_forward=reshard_after_forward,
+    options = config.resolve(
         axis=axis,
         replicate_axis=replicate_axis,
-        compile_passes=compile_passes,
-        bucket_bytes=bucket_bytes,
-        prefetch=prefetch,
-        memory_budget=memory_budget,
-        unsharded_budget=unsharded_budget,
-        offload_params=offload_params,
         stage=stage,
-        check_collectives=check_collectives,
-        check_timeout_s=check_timeout_s,
-        **unknown,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+        comm_policy=comm_policy,
+        offload_policy=offload_policy,
+        memory_budget=memory_budget,
+        check_policy=check_policy,
+        others=deprecated,
+        known=OPTION_NAMES,
     )
     layout = resolve_mesh(mesh, options.axis, options.replicate_axis)
     dp_mesh = layout.shard_mesh
@@ -133,18 +157,18 @@ def parallelize(
             "tensor-parallel params yet; use stage=3 (the default) on such meshes."
         )
     plain_stage3 = options.stage == 3 and one_axis
-    if options.offload_params and not plain_stage3:
+    if options.offload.params and not plain_stage3:
         raise ValueError(
-            "fczero: offload_params=True needs stage=3 on a mesh without replicate or "
-            "tensor-parallel axes; drop offload_params, or shard with stage=3 over one axis."
+            "fczero: OffloadPolicy.params needs stage=3 on a mesh without replicate or "
+            "tensor-parallel axes; drop the offload_policy, or shard with stage=3 over one axis."
         )
     params = list(model.named_parameters())  # each param once, under its first name
     names = {id(p): n for n, p in params}
     guards.check_before(model, [(names[id(p)], p) for *_, p in owners], dp_mesh)
     group_name = dp_mesh.get_group().group_name
-    if options.check_collectives:  # the one exchange before sharding: ranks must agree
+    if options.check is not None:  # the one exchange before sharding: ranks must agree
         consistency.check_model(
-            group_name, dp_mesh.size(), options, params, options.check_timeout_s
+            group_name, dp_mesh.size(), options, params, options.check.timeout_s
         )
 
     meta_plan = meta_device_init.plan(model, init_fn, meta_init)
@@ -169,10 +193,10 @@ def parallelize(
             )
         originals[id(param)] = param
         first_owner.append((path, param, specs_by_param[id(param)][1]))
-    selective = options.reshard_after_forward and options.stage == 3
+    selective = options.selective_unsharding
     kept = None
-    if selective and options.unsharded_budget != unsharding.AUTO:
-        kept = unsharding.plan_kept_params(first_owner, options.unsharded_budget)
+    if selective and not options.auto_unsharding:
+        kept = unsharding.plan_kept_params(first_owner, options.comm.keep_unsharded)
         if kept.budget:
             logger.info("selective unsharding: %s", unsharding.describe(kept))
         for key in kept.ids:
@@ -194,7 +218,7 @@ def parallelize(
         dp_mesh,
     )
     root.kept = kept
-    if selective and options.unsharded_budget == unsharding.AUTO:
+    if selective and options.auto_unsharding:
         states = {id(state.param): state for state in root.params}
         groups = [dp_mesh.get_group()]
         if layout.replicate_mesh is not None:
@@ -208,7 +232,7 @@ def parallelize(
         )
     _move_buffers(model, dp_mesh)
     quiet_gather_checkpoint_note()
-    if options.compile_passes:
+    if options.comm.compile_passes:
         _install_passes(dp_mesh, options, layout.replicate_mesh)
     else:
         registry.unregister(group_name)
@@ -218,12 +242,13 @@ def parallelize(
     # Eager prefetch issues gathers from the order recorded on an earlier step, ahead of
     # the code that uses them: a rank-dependent branch would pair unrelated collectives
     # before the eager check at the end of forward could name it. So checking turns it off.
-    window = 0 if options.check_collectives else options.bucket_bytes * options.prefetch
-    model.__dict__["_fczero_prefetch"] = eager_prefetch.EagerPrefetch(window, options.bucket_bytes)
-    if options.check_collectives:
-        consistency.enable(group_name, options.check_timeout_s)
+    comm = options.comm
+    window = 0 if options.check is not None else comm.bucket_bytes * comm.prefetch
+    model.__dict__["_fczero_prefetch"] = eager_prefetch.EagerPrefetch(window, comm.bucket_bytes)
+    if options.check is not None:
+        consistency.enable(group_name, options.check.timeout_s)
         model.__dict__["_fczero_eager_log"] = consistency.EagerLog(
-            group_name, options.check_timeout_s
+            group_name, options.check.timeout_s
         )
     model.register_forward_pre_hook(_root_pre_forward, with_kwargs=True)
     model.register_forward_hook(_root_post_forward, always_call=True)
@@ -275,19 +300,19 @@ def _validate_model(
 def _offload_params(
     specs_by_param: dict[int, tuple[nn.Parameter, ShardSpec]],
     mesh: DeviceMesh,
-    options: ShardingOptions,
+    options: Options,
 ) -> None:
-    """``offload_params``: every shard to pinned host memory ([Note: parameter offload])."""
-    if not options.offload_params:
+    """``OffloadPolicy.params``: every shard to pinned host memory ([Note: parameter offload])."""
+    if not options.offload.params:
         return
     device = mesh_device(mesh)
     if device.type == "cpu":
-        logger.info("offload_params: the mesh is on the CPU, so the shards are there already")
+        logger.info("OffloadPolicy.params: the mesh is on the CPU, so the shards are there already")
         return
     for key, (sharded, spec) in specs_by_param.items():
         specs_by_param[key] = param_offload.to_host(sharded, spec, device)
     logger.info(
-        "offload_params: %d sharded params in host memory; gathers copy them to %s",
+        "OffloadPolicy.params: %d sharded params in host memory; gathers copy them to %s",
         len(specs_by_param),
         device,
     )
@@ -302,35 +327,35 @@ def _move_buffers(model: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def _install_passes(
-    mesh: DeviceMesh, options: ShardingOptions, replicate: DeviceMesh | None = None
+    mesh: DeviceMesh, options: Options, replicate: DeviceMesh | None = None
 ) -> None:
     budget = memory.device_budget(mesh_device(mesh), options.memory_budget)
     registry.register(
         mesh.get_group().group_name,
-        bucket_bytes=options.bucket_bytes,
-        prefetch=options.prefetch,
+        bucket_bytes=options.comm.bucket_bytes,
+        prefetch=options.comm.prefetch,
         memory_budget=budget,
         replicate_group=replicate.get_group().group_name if replicate is not None else None,
-        activation_offload=options.activation_offload,
-        offload_min_bytes=options.offload_min_bytes,
-        param_itemsize=options.param_dtype.itemsize if options.param_dtype else None,
+        activation_offload=options.offload.activations,
+        offload_min_bytes=options.offload.activation_min_bytes,
+        param_itemsize=options.mp.param_dtype.itemsize if options.mp.param_dtype else None,
     )
     install()
     offload_partition.forget(mesh.get_group().group_name)
-    offload_partition.install(required=options.activation_offload != "off")
+    offload_partition.install(required=options.offload.activations != "off")
 
 
 def _root_pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Cast floating inputs to ``param_dtype`` (as FSDP2 does); in eager mode, open the
     reshard scope (stage 3) and start eager prefetch."""
-    options: ShardingOptions = getattr(module, ROOT_ATTR)
-    if options.param_dtype is not None:
+    options: Options = getattr(module, ROOT_ATTR)
+    if options.mp.param_dtype is not None:
         args, kwargs = tree_map_only(
-            torch.Tensor, partial(_cast_floating, options.param_dtype), (args, kwargs)
+            torch.Tensor, partial(_cast_floating, options.mp.param_dtype), (args, kwargs)
         )
     if torch.compiler.is_compiling():
         return args, kwargs
-    if options.reshard_after_forward and options.stage == 3:  # stages 1/2 gather nothing
+    if options.selective_unsharding:  # stages 1/2 gather nothing
         prefetcher = module.__dict__["_fczero_prefetch"]
         scope = resharding.reshard_scope(prefetcher.window, prefetcher.bucket_bytes)
         scope.__enter__()

@@ -136,8 +136,7 @@ class _GatherBucket(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
         spec0, layouts = ctx.meta
-        opts = spec0.options
-        dtype = opts.reduce_dtype or grads[0].dtype
+        dtype = spec0.reduce_dtype or grads[0].dtype
         world = spec0.group_size
         flat = torch.cat([g.to(dtype).reshape(world, -1) for g in grads], dim=1)
         flat = collectives._average(flat, world, spec0.replicate)

@@ -63,7 +63,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fczero.config import ShardingOptions
+from fczero.config import Options
 from fczero.sharding import ShardSpec, empty_shard, mesh_device, shard_tensor
 
 logger = logging.getLogger("fczero")
@@ -164,7 +164,7 @@ def plan(model: nn.Module, init_fn: InitFn | None, mode: str = "module") -> Meta
 
 
 def init_and_shard(
-    meta_plan: MetaPlan, mesh: DeviceMesh, options: ShardingOptions
+    meta_plan: MetaPlan, mesh: DeviceMesh, options: Options
 ) -> dict[int, tuple[nn.Parameter, ShardSpec]]:
     """Initialize the planned modules one at a time; return ``{id(meta param): (sharded, spec)}``.
 
@@ -207,7 +207,7 @@ def init_and_shard(
 
 
 def _init_shards(
-    meta_plan: MetaPlan, mesh: DeviceMesh, options: ShardingOptions
+    meta_plan: MetaPlan, mesh: DeviceMesh, options: Options
 ) -> dict[int, tuple[nn.Parameter, ShardSpec]]:
     """``meta_init="shard"``: allocate and initialize shards only ([Note: meta-device
     init, shard by shard])."""

@@ -24,7 +24,7 @@ Nothing in torch is patched.
 
 [Note: what a compiled gather reads]
 Dynamo guards every Python value the traced getter reads, per param, and an object that
-two params reach (the shared ``ShardingOptions``, the root's state) costs one more guard
+two params reach (the shared ``Options``, the root's state) costs one more guard
 per param that checks the two are still the same object: a Python lambda, evaluated on
 every call of the compiled model. So the path a compiled gather traces reads only the
 param's own ``ShardSpec`` and ``ParamState`` and the values copied into them (the dtypes,
@@ -51,7 +51,7 @@ from torch.utils.checkpoint import (
 )
 
 from fczero import collectives, consistency, prefetch, resharding
-from fczero.config import ShardingOptions
+from fczero.config import Options
 from fczero.offload.params import to_device
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ class ShardSpec:
     local_rows: int  # rows this rank really holds (<= c)
     group_size: int
     group_name: str
-    options: ShardingOptions
+    options: Options
     keep_unsharded: bool = False  # selective unsharding: see fczero/unsharding.py
     replicate: tuple[int, str] | None = None  # HSDP: (size, group name) of the replicate axis
     tensor_parallel: TensorParallelView | None = None  # shows the module a TP DTensor
@@ -87,8 +87,9 @@ class ShardSpec:
     reshard_after_forward: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype", "reshard_after_forward"):
-            object.__setattr__(self, name, getattr(self.options, name))
+        object.__setattr__(self, "param_dtype", self.options.mp.param_dtype)
+        object.__setattr__(self, "reduce_dtype", self.options.mp.reduce_dtype)
+        object.__setattr__(self, "reshard_after_forward", self.options.reshard_after_forward)
 
     @property
     def is_scalar(self) -> bool:
@@ -208,7 +209,7 @@ def quiet_gather_checkpoint_note() -> None:
 def shard_tensor(
     tensor: torch.Tensor,
     mesh: DeviceMesh,
-    options: ShardingOptions,
+    options: Options,
     requires_grad: bool,
     layout: ParamLayout | None = None,
 ) -> tuple[nn.Parameter, ShardSpec]:
@@ -242,7 +243,7 @@ def empty_shard(
     shape: torch.Size,
     dtype: torch.dtype,
     mesh: DeviceMesh,
-    options: ShardingOptions,
+    options: Options,
     requires_grad: bool,
 ) -> tuple[nn.Parameter, ShardSpec]:
     """This rank's sharded param of a ``shape`` tensor, uninitialized, allocated at its
@@ -273,7 +274,7 @@ def _sharded_param(
     rows: int,
     local_rows: int,
     mesh: DeviceMesh,
-    options: ShardingOptions,
+    options: Options,
     requires_grad: bool,
     layout: ParamLayout | None,
 ) -> tuple[nn.Parameter, ShardSpec]:

@@ -46,7 +46,7 @@ from fczero.reducer import REDUCERS, Reducer, Route, whole_param
 from fczero.sharding import STATE_ATTR, _local, _recompute_everything, mesh_device
 
 if TYPE_CHECKING:
-    from fczero.config import ShardingOptions
+    from fczero.config import Options
     from fczero.sharding import ShardSpec
 
 logger = logging.getLogger("fczero")
@@ -60,7 +60,7 @@ _c10d = torch.ops._c10d_functional
 class RootState:
     """What one parallelized root shares with its params: the sync flag and the order."""
 
-    def __init__(self, options: ShardingOptions, mesh: DeviceMesh) -> None:
+    def __init__(self, options: Options, mesh: DeviceMesh) -> None:
         self.options = options
         self.mesh = mesh
         self._sync = True
@@ -68,7 +68,7 @@ class RootState:
         self.params: list[ParamState] = []  # registration order, identical on every rank
         self.reducer: Reducer | None = None
         self.reducer_key = -1
-        # selective unsharding: the plan from unsharded_budget bytes, or the automatic one
+        # selective unsharding: the plan from keep_unsharded bytes, or the automatic one
         self.kept: unsharding.KeptPlan | None = None
         self.auto_unsharding: unsharding.AutoUnsharding | None = None
 
@@ -187,7 +187,7 @@ def attach(
     model: nn.Module,
     params: list[tuple[torch.Tensor, nn.Parameter, ShardSpec]],
     wiring: dict[nn.Module, dict[str, ShardSpec]],
-    options: ShardingOptions,
+    options: Options,
     mesh: DeviceMesh,
 ) -> RootState:
     """Give every sharded param its state (stages 1/2: its whole copy, from the original
@@ -200,7 +200,7 @@ def attach(
     for original, sharded, spec in params:
         state = ParamState(root, spec, sharded)
         shard_dtype = sharded.dtype
-        grad_dtype = options.param_dtype or shard_dtype
+        grad_dtype = options.mp.param_dtype or shard_dtype
         kind = "all" if spec.is_scalar else ("rows" if options.stage == 1 else "scatter")
         reducer_index = -1
         if kind == "rows" and sharded.requires_grad:
@@ -212,7 +212,7 @@ def attach(
             rows_per_rank=spec.rows_per_rank,
             local_rows=spec.local_rows,
             start=min(rank * spec.rows_per_rank, spec.shape[0]) if spec.shape else 0,
-            reduce_dtype=options.reduce_dtype or grad_dtype,
+            reduce_dtype=options.mp.reduce_dtype or grad_dtype,
             shard_dtype=shard_dtype,
             reducer=-1,  # set below once the Reducer exists
             index=reducer_index,
@@ -226,7 +226,7 @@ def attach(
         by_param[id(sharded)] = state
         _STATES[sharded] = weakref.ref(state)
     if reducer_slots:
-        reducer = Reducer(reducer_slots, options.bucket_bytes)
+        reducer = Reducer(reducer_slots, options.comm.bucket_bytes)
         root.reducer = reducer  # REDUCERS holds it weakly
         root.reducer_key = id(reducer)
         REDUCERS[root.reducer_key] = reducer
@@ -273,7 +273,7 @@ def refresh(states: list[ParamState]) -> None:
     states = [s for s in states if s.whole is not None and math.prod(s.spec.shape) > 0]
     if not states:
         return
-    cap = states[0].root.options.bucket_bytes
+    cap = states[0].root.options.comm.bucket_bytes
     bucket: list[ParamState] = []
     size = 0
     for state in states:
@@ -327,7 +327,7 @@ def _state_of(param: torch.Tensor) -> ParamState | None:
     return ref() if ref is not None else None
 
 
-def options_of(param: torch.Tensor) -> ShardingOptions | None:
+def options_of(param: torch.Tensor) -> Options | None:
     """The ``parallelize`` options of the model that owns sharded ``param`` (else None)."""
     state = _state_of(param)
     return state.root.options if state is not None else None

@@ -299,8 +299,9 @@ def _build_model(args: argparse.Namespace, mesh: DeviceMesh) -> nn.Module:
     return fczero.parallelize(
         model,
         mesh,
-        param_dtype=_DTYPES.get(args.param_dtype),
-        reduce_dtype=_DTYPES.get(args.reduce_dtype),
+        mp_policy=fczero.MixedPrecisionPolicy(
+            param_dtype=_DTYPES.get(args.param_dtype), reduce_dtype=_DTYPES.get(args.reduce_dtype)
+        ),
         reshard_after_forward=not args.no_reshard,
         **({"axis": "shard", "replicate_axis": "replicate"} if args.replicate > 1 else {}),
     )

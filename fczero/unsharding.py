@@ -8,7 +8,7 @@ hide behind. Keeping those params from forward to backward removes both the expo
 wait and a quarter of a step's traffic (forward gather, backward gather, reduce),
 at the cost of their unsharded bytes for the length of the step.
 
-``plan_kept_params`` spends ``unsharded_budget`` bytes on whole blocks (``layers.15``,
+``plan_kept_params`` spends ``keep_unsharded`` bytes on whole blocks (``layers.15``,
 or a module outside indexed containers, such as ``model.output``, on its own), starting
 from the block registered last (forward reaches it last in sequential models) and
 walking back. A block that does not fit ends the walk, so what is
@@ -24,7 +24,7 @@ accumulation, eager and compiled: the micro-batches after the first reuse that g
 up to the synced micro-batch (``fczero.stages.ParamState.reused``).
 
 [Note: automatic selective unsharding]
-``unsharded_budget="auto"`` sizes the kept blocks from ``memory_budget`` instead of by
+``keep_unsharded="auto"`` sizes the kept blocks from ``memory_budget`` instead of by
 hand. Before any step runs, nothing says how much a step needs (activations depend on
 the batch, optimizer state on the optimizer), so the first two optimizer steps run as
 pure stage 3 and the plan is made right after the second one (``AutoUnsharding``):
@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from fczero import policies
 from fczero.memory import budget_and_peak
 
 if TYPE_CHECKING:
@@ -67,8 +68,8 @@ if TYPE_CHECKING:
     from fczero.sharding import ShardSpec
     from fczero.stages import ParamState
 
-#: ``unsharded_budget`` value that sizes the kept blocks from ``memory_budget``.
-AUTO = "auto"
+#: ``keep_unsharded`` value that sizes the kept blocks from ``memory_budget``.
+AUTO = policies.AUTO
 
 #: Optimizer steps that run as pure stage 3 before the automatic plan is made.
 AUTO_PLAN_AFTER_STEPS = 2
@@ -95,7 +96,7 @@ class KeptPlan:
     blocks: tuple[str, ...]  # the kept blocks, in registration order
     kept_bytes: int  # their unsharded bytes
     budget: int  # bytes the plan could spend
-    source: str  # "unsharded_budget", or "auto: ..." with the numbers it came from
+    source: str  # "keep_unsharded", or "auto: ..." with the numbers it came from
 
 
 def plan_kept_params(
@@ -104,7 +105,7 @@ def plan_kept_params(
     """Plan from ``(module path, param, spec)`` in registration order (a param shared by
     several modules appears once, under its first owner). Whole blocks are kept from the
     last one back while they fit in ``budget``."""
-    source = source or f"unsharded_budget={budget}"
+    source = source or f"keep_unsharded={budget}"
     blocks: dict[str, list[tuple[torch.Tensor, ShardSpec]]] = {}
     for path, param, spec in params:
         # a module outside indexed containers is a unit of its own: the head of
@@ -138,7 +139,7 @@ def describe(plan: KeptPlan) -> str:
 
 
 class AutoUnsharding:
-    """``unsharded_budget="auto"``: counts optimizer steps, then plans once ([Note:
+    """``keep_unsharded="auto"``: counts optimizer steps, then plans once ([Note:
     automatic selective unsharding])."""
 
     def __init__(
@@ -178,7 +179,7 @@ class AutoUnsharding:
                 [],
                 0,
                 f"auto: {why} on {self.device.type}; pass memory_budget and train on a CUDA "
-                "device, or give unsharded_budget in bytes",
+                "device, or give CommPolicy(keep_unsharded=...) in bytes",
             )
         budget, peak = measured
         headroom = torch.tensor([budget - peak], dtype=torch.int64, device=self.device)

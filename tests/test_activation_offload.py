@@ -33,6 +33,9 @@ from tests.test_graphs import SNAPSHOT_TORCH
 
 MEMORY_OPS = {"offload", "offload_wait", "reload", "reload_wait", "all_gather_into_tensor", "mm"}
 
+#: every activation of any size to host memory
+OFFLOAD_ALL = fczero.OffloadPolicy(activations="all", activation_min_bytes=0)
+
 
 def sequence(gm: torch.fx.GraphModule) -> str:
     """Memory ops and matmuls in graph order, with what each reads (a compact snapshot)."""
@@ -80,7 +83,7 @@ class GraphTest(expecttest.TestCase):
         assert {name for name, _ in plan.offloaded} == {"relu", "relu_1", "relu_2"}
 
     def test_all_offloads_every_activation_and_reloads_ahead(self):
-        fw, bw = self.compile(activation_offload="all", offload_min_bytes=0)
+        fw, bw = self.compile(offload_policy=OFFLOAD_ALL)
         self.check_structure(bw)
         if not torch.__version__.startswith(SNAPSHOT_TORCH):
             pytest.skip(f"snapshots recorded with torch {SNAPSHOT_TORCH}")
@@ -121,11 +124,11 @@ mm_7 = mm(t_16, primals_5)""",
         )
 
     def test_memory_report_lists_the_plan_and_plots_it(self):
-        self.compile(activation_offload="all", offload_min_bytes=0)
+        self.compile(offload_policy=OFFLOAD_ALL)
         report = fczero.memory_report(self.model)
         text = str(report)
         (plan,) = report.plans
-        assert "activation_offload='all'" in text and "offloaded relu_1" in text
+        assert "activations='all'" in text and "offloaded relu_1" in text
         assert "not measured (CPU)" in text
         assert f"{plan.peak_before / 2**20:.2f} MiB -> {plan.peak_after / 2**20:.2f} MiB" in text
         # the curves are the memory model's: their maxima are the planned peaks
@@ -142,7 +145,7 @@ mm_7 = mm(t_16, primals_5)""",
         self.compile()
         streams._warned.discard("activations-cpu")
         with self.assertWarnsRegex(RuntimeWarning, "no memory is saved"):
-            self.compile(activation_offload="all", offload_min_bytes=0)
+            self.compile(offload_policy=OFFLOAD_ALL)
         (plan,) = fczero.memory_report(self.model).plans
         assert plan.mode == "all" and plan.device_type == "cpu"
 
@@ -154,8 +157,7 @@ mm_7 = mm(t_16, primals_5)""",
         model = fczero.parallelize(
             ThreeBlocks(64),
             init_device_mesh("cpu", (2,)),
-            activation_offload="all",
-            offload_min_bytes=0,
+            offload_policy=fczero.OffloadPolicy(activations="all", activation_min_bytes=0),
         )
         compiled = torch.compile(model)
 
@@ -180,8 +182,7 @@ def _train(rank: int, world_size: int, offload: str) -> list[torch.Tensor]:
     model = fczero.parallelize(
         ThreeBlocks(64),
         init_device_mesh("cpu", (world_size,)),
-        activation_offload=offload,
-        offload_min_bytes=0,
+        offload_policy=fczero.OffloadPolicy(activations=offload, activation_min_bytes=0),
     )
     compiled = torch.compile(model, backend=backends.aot_eager_with_passes)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -280,7 +281,7 @@ def test_planner_budget_below_minimum_names_it():
 
 
 def test_options_are_validated():
-    with pytest.raises(ValueError, match="activation_offload='some'; use 'off', 'auto'"):
-        fczero.ShardingOptions(activation_offload="some")
-    with pytest.raises(ValueError, match="offload_min_bytes=-1 is negative"):
-        fczero.ShardingOptions(offload_min_bytes=-1)
+    with pytest.raises(ValueError, match="activations='some'; use 'off', 'auto'"):
+        fczero.OffloadPolicy(activations="some")
+    with pytest.raises(ValueError, match="activation_min_bytes=-1 is negative"):
+        fczero.OffloadPolicy(activation_min_bytes=-1)

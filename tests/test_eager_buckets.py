@@ -38,7 +38,7 @@ def _step_log(model: torch.nn.Module) -> tuple[list[str], list[str]]:
 def test_collectives_per_bucket(fake_pg, bucket_bytes, forward, reduces, regathers):
     """Backward regathers the 4 saved weights (blocks.0-2, head: bucketed along the saved
     order, from the first step); forward gathers and reduces are bucketed from the second."""
-    model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), bucket_bytes=bucket_bytes)
+    model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(bucket_bytes=bucket_bytes))
     first_fwd, first_bwd = _step_log(model)  # records the order: one gather per param
     assert first_fwd.count("all_gather_into_tensor") == 7
     assert first_bwd.count("reduce_scatter_tensor") == 7
@@ -51,8 +51,10 @@ def test_collectives_per_bucket(fake_pg, bucket_bytes, forward, reduces, regathe
 
 
 def test_no_buckets_without_prefetch_or_bucket_bytes(fake_pg):
-    for options in ({"prefetch": 0}, {"bucket_bytes": 0}):
-        model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), **options)
+    for options in (fczero.CommPolicy(prefetch=0), fczero.CommPolicy(bucket_bytes=0)):
+        model = fczero.parallelize(
+            ThreeBlocks(), init_device_mesh("cpu", (2,)), comm_policy=options
+        )
         _step_log(model)
         fwd, bwd = _step_log(model)
         assert fwd.count("all_gather_into_tensor") == 7, options
@@ -78,13 +80,13 @@ def test_plan_follows_bytes_and_leaves_checkpointed_gathers_alone(fake_pg):
 
 
 def _train(rank: int, world_size: int) -> list[parity.Trace]:
-    small = {"bucket_bytes": 700}  # cuts inside modules: many buckets of 2-3 gathers
+    small = {"comm_policy": fczero.CommPolicy(bucket_bytes=700)}  # cuts inside modules: many buckets of 2-3 gathers
     return [
         parity.train_parallel(rank, world_size, UnevenTiedMLP, _mlp_batches(), parity.mse),
         parity.train_parallel(rank, world_size, UnevenTiedMLP, _mlp_batches(), parity.mse, **small),
         parity.train_parallel(
             rank, world_size, tiny_llama, token_batches(steps=4), parity.cross_entropy,
-            optimizer="adamw", lr=1e-3, bucket_bytes=40_000,
+            optimizer="adamw", lr=1e-3, comm_policy=fczero.CommPolicy(bucket_bytes=40_000),
         ),  # fmt: skip
         parity.train_parallel(rank, world_size, ThreeBlocks, block_batches(steps=4), parity.mse),
     ]

@@ -13,7 +13,7 @@ import torch
 
 from fczero.testing import parity
 from fczero.testing.distributed import gpu_world_size, run_on_ranks
-from tests.test_numerics import BF16, Case, run_cases
+from tests.test_numerics import BF16, BF16_MP, BF16_OPTS, Case, run_cases
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,14 +32,14 @@ CASES = [
     Case(
         "llama",
         backend="inductor",
-        options=(("param_dtype", torch.bfloat16), ("reduce_dtype", torch.float32)),
+        options=BF16_OPTS,
     ),
     # CUDA graphs (torch.compile(mode="reduce-overhead")): collectives captured in the graphs
     Case("llama", "adamw", backend="inductor-cudagraphs"),
     Case(
         "llama",
         backend="inductor-cudagraphs",
-        options=(("param_dtype", torch.bfloat16), ("reduce_dtype", torch.float32)),
+        options=BF16_OPTS,
     ),
     Case("llama", backend="inductor-cudagraphs", options=(("stage", 2),)),
     Case("llama", backend="inductor-cudagraphs", options=(("stage", 1),)),
@@ -85,5 +85,5 @@ def test_nccl_matches_reference(nccl_traces, case):
     expected = parity.train_reference(
         build, batches, criterion, optimizer=case.optimizer, lr=case.lr, device="cuda"
     )
-    tol = BF16 if dict(case.options).get("param_dtype") == torch.bfloat16 else GPU_FP32
+    tol = BF16 if dict(case.options).get("mp_policy") == BF16_MP else GPU_FP32
     parity.assert_close(nccl_traces[case.id], expected, **tol)

@@ -188,7 +188,9 @@ return (view_6, view_5, None, view_3)""",
 
     @same_torch
     def test_snapshot_bf16_params_fp32_reduce(self):
-        fw, bw = self.compile_two_layer(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fw, bw = self.compile_two_layer(
+            mp_policy=fczero.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        )
         self.assertExpectedInline(
             render(fw),
             """\

@@ -1,4 +1,4 @@
-"""No silent hangs: with ``check_collectives=True``, ranks that would issue different
+"""No silent hangs: with ``check_policy=CheckPolicy()``, ranks that would issue different
 collectives get a clear error within seconds (fczero/consistency.py).
 
 Each case makes the ranks differ on purpose: a graph break on one rank, a recompile on
@@ -63,7 +63,7 @@ def _outcome(fn, leave: bool = True) -> tuple[str, str, float]:
 def _train(model: nn.Module, batches, compiled: bool) -> list[float]:
     fczero.parallelize(
         model, init_device_mesh("cpu", (dist.get_world_size(),)),
-        check_collectives=True, check_timeout_s=TIMEOUT_S,
+        check_policy=fczero.CheckPolicy(timeout_s=TIMEOUT_S),
     )  # fmt: skip
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = torch.compile(model, backend=aot_eager_with_passes) if compiled else model
@@ -85,7 +85,7 @@ def _recompile_on_rank_1(rank: int, world: int, cause: str):
     def run():
         fczero.parallelize(
             model, init_device_mesh("cpu", (world,)),
-            check_collectives=True, check_timeout_s=TIMEOUT_S,
+            check_policy=fczero.CheckPolicy(timeout_s=TIMEOUT_S),
         )  # fmt: skip
         step = torch.compile(model, backend=aot_eager_with_passes)
         for i, x in enumerate(batches):
@@ -142,7 +142,7 @@ def _eager_branch_on_rank_1(rank: int, world: int):
     def run():
         fczero.parallelize(
             model, init_device_mesh("cpu", (world,)),
-            check_collectives=True, check_timeout_s=TIMEOUT_S,
+            check_policy=fczero.CheckPolicy(timeout_s=TIMEOUT_S),
         )  # fmt: skip
         for i, x in enumerate(batches):
             if i == 1 and rank == 1:
@@ -194,7 +194,7 @@ def _symmetric_cases(rank: int, world: int) -> dict[str, object]:
     model = TwoLayer() if rank == 0 else nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
     mesh = init_device_mesh("cpu", (world,))
     out["different models"] = _outcome(
-        lambda: fczero.parallelize(model, mesh, check_collectives=True, check_timeout_s=TIMEOUT_S),
+        lambda: fczero.parallelize(model, mesh, check_policy=fczero.CheckPolicy(timeout_s=TIMEOUT_S)),
         leave=False,
     )
     out["untouched"] = not fczero.is_parallelized(model)
@@ -250,7 +250,7 @@ def test_inductor_hands_every_compiled_graph_to_the_check(fake_pg, monkeypatch):
         )
     )  # fmt: skip
     model = fczero.parallelize(
-        TwoLayer(), init_device_mesh("cpu", (2,)), check_collectives=True, check_timeout_s=5.0
+        TwoLayer(), init_device_mesh("cpu", (2,)), check_policy=fczero.CheckPolicy(timeout_s=5.0)
     )
     # a cache hit skips the post-grad hook (docs/troubleshooting.md): compile for real
     with (

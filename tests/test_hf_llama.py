@@ -16,6 +16,7 @@ import torch.nn as nn
 from fczero.testing import parity
 from fczero.testing.distributed import gpu_world_size, run_on_ranks
 from tests.models import token_batches
+from tests.test_numerics import BF16_MP
 from tests.test_activation_checkpointing import save_attention_context
 
 transformers = pytest.importorskip(
@@ -111,7 +112,7 @@ CASES = [
         "eager-bf16",
         HFCausalLM,
         None,
-        {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
+        {"mp_policy": BF16_MP},
     ),
 ]
 
@@ -183,7 +184,7 @@ def test_hf_llama_nccl_inductor():
             "inductor-bf16",
             HFCausalLM,
             "inductor",
-            {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
+            {"mp_policy": BF16_MP},
         ),
     ]
     per_rank = run_on_ranks(

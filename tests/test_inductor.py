@@ -34,8 +34,9 @@ def test_inductor_code_gathers_in_forward_and_again_in_backward(fake_pg):
     model = fczero.parallelize(
         TwoLayer(),
         init_device_mesh("cpu", (2,)),
-        param_dtype=torch.bfloat16,
-        reduce_dtype=torch.float32,
+        mp_policy=fczero.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        ),
     )
     compiled = torch.compile(model, fullgraph=True)  # stock Inductor, no custom backend
 
@@ -61,7 +62,7 @@ def test_inductor_keeps_the_prefetch_order(fake_pg):
     with inductor_config.patch(post_grad_custom_post_pass=user_pass):
         # 1.5 MiB: one 1 MiB block per bucket; the head, the last block, has its own
         model = fczero.parallelize(
-            ThreeBlocks(), init_device_mesh("cpu", (2,)), bucket_bytes=3 << 19
+            ThreeBlocks(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(bucket_bytes=3 << 19)
         )
         compiled = torch.compile(model, fullgraph=True)
         _, codes = run_and_get_code(lambda: compiled(torch.randn(4, 512)).sum().backward())

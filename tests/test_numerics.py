@@ -8,11 +8,13 @@ bits of mantissa, so 5 steps drift by up to about 1e-2.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+import fczero
 from fczero.testing import parity
 from fczero.testing.distributed import run_on_ranks
 from tests.models import (
@@ -26,8 +28,23 @@ from tests.models import (
 )
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
+#: bf16 compute, fp32 reduction: the mixed precision every bf16 case runs
+BF16_MP = fczero.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+BF16_OPTS = (("mp_policy", BF16_MP),)
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
 
+
+
+def _short(value: object) -> str:
+    """A test id's spelling of an option: a policy shows only the fields it sets."""
+    if not dataclasses.is_dataclass(value):
+        return str(value)
+    changed = [
+        f"{f.name}={getattr(value, f.name)}"
+        for f in dataclasses.fields(value)
+        if getattr(value, f.name) != f.default
+    ]
+    return f"{type(value).__name__}({','.join(changed)})"
 
 @dataclass(frozen=True)
 class Case:
@@ -38,7 +55,7 @@ class Case:
 
     @property
     def id(self) -> str:
-        opts = ",".join(f"{k}={v}" for k, v in self.options)
+        opts = ",".join(f"{k}={_short(v)}" for k, v in self.options)
         return f"{self.model}-{self.optimizer}-{self.backend or 'eager'}" + (
             f"-{opts}" if opts else ""
         )
@@ -68,7 +85,7 @@ CASES = {
         Case("llama", backend="aot_eager"),
         Case("llama", "adamw", backend="aot_eager"),
         Case("mlp", backend="aot_eager", options=(("reshard_after_forward", False),)),
-        Case("llama", options=(("param_dtype", torch.bfloat16), ("reduce_dtype", torch.float32))),
+        Case("llama", options=BF16_OPTS),
         Case("breaks", backend="aot_eager"),
         # fczero's passes (bucketing, late waits, prefetch) on AOT's graphs, run eagerly
         Case("mlp", backend="aot_eager_with_passes"),
@@ -77,7 +94,7 @@ CASES = {
         Case(
             "llama",
             backend="aot_eager_with_passes",
-            options=(("param_dtype", torch.bfloat16), ("reduce_dtype", torch.float32)),
+            options=BF16_OPTS,
         ),
     ],
     4: [
@@ -142,7 +159,7 @@ def _reference(case: Case) -> parity.Trace:
 def test_matches_single_process_reference(parallel_traces, world_size, case):
     actual = parallel_traces[world_size][case.id]
     expected = _reference(case)
-    tol = BF16 if dict(case.options).get("param_dtype") == torch.bfloat16 else FP32
+    tol = BF16 if dict(case.options).get("mp_policy") == BF16_MP else FP32
     parity.assert_close(actual, expected, **tol)
 
 

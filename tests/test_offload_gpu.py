@@ -120,8 +120,7 @@ def _activation_run(rank: int, world_size: int) -> dict:
         model = fczero.parallelize(
             ThreeBlocks(1024),
             init_device_mesh("cuda", (world_size,)),
-            activation_offload=mode,
-            offload_min_bytes=0,
+            offload_policy=fczero.OffloadPolicy(activations=mode, activation_min_bytes=0),
         )
         compiled = torch.compile(model)
         gen = torch.Generator(device="cuda").manual_seed(2)

@@ -365,7 +365,7 @@ def test_chunked_step_runs_fczeros_step_hooks_once_per_step(fake_pg):
     early = torch.optim.SGD([{"params": fresh.parameters()}, {"params": model.parameters()}])
     fczero.offload_optimizer_states(early, chunk_bytes=512 * 512 * 4)
     model = fczero.parallelize(
-        model, init_device_mesh("cpu", (2,)), unsharded_budget="auto", memory_budget=10**9
+        model, init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(keep_unsharded="auto"), memory_budget=10**9
     )
     with pytest.raises(RuntimeError, match=r"SGD holds 7 parameter\(s\) that parallelize"):
         early.step()

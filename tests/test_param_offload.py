@@ -19,20 +19,20 @@ from fczero.testing import parity
 from fczero.testing.distributed import gpu_world_size, run_on_ranks
 from tests.models import ThreeBlocks, tiny_llama, token_batches
 
+OFFLOAD = fczero.OffloadPolicy(params=True)
+
 
 def test_bad_values_and_combinations_are_refused_before_anything_changes(fake_pg):
     model = ThreeBlocks()
     mesh = init_device_mesh("cpu", (2,))
-    with pytest.raises(TypeError, match="offload_params must be True or False"):
-        fczero.parallelize(model, mesh, offload_params="yes")
-    with pytest.raises(ValueError, match="offload_params=True needs stage=3"):
-        fczero.parallelize(model, mesh, offload_params=True, stage=2)
+    with pytest.raises(ValueError, match="OffloadPolicy.params needs stage=3"):
+        fczero.parallelize(model, mesh, offload_policy=fczero.OffloadPolicy(params=True), stage=2)
     assert not fczero.is_parallelized(model)
 
 
 def test_on_a_cpu_mesh_the_shards_stay_and_it_says_so(fake_pg, caplog):
     with caplog.at_level(logging.INFO, logger="fczero"):
-        model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), offload_params=True)
+        model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), offload_policy=OFFLOAD)
     assert "the mesh is on the CPU, so the shards are there already" in caplog.text
     model(torch.randn(4, 512)).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
@@ -70,7 +70,7 @@ def _offload_llama(rank: int, world_size: int) -> list[parity.Trace]:
     return [
         parity.train_parallel(
             rank, world_size, *_llama_run(), **ADAMW,
-            device_type="cuda", compile_backend=backend, offload_params=True,
+            device_type="cuda", compile_backend=backend, offload_policy=OFFLOAD,
             configure_optimizer=STEPS[step],
         )  # fmt: skip
         for backend in (None, "inductor")
@@ -115,7 +115,7 @@ def _where_things_live(rank: int, world_size: int):
     peaks, facts = {}, {}
     for offload in (False, "host step", "device step"):
         torch.manual_seed(0)
-        model = fczero.parallelize(Wide(), mesh, offload_params=bool(offload))
+        model = fczero.parallelize(Wide(), mesh, offload_policy=fczero.OffloadPolicy(params=bool(offload)))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         if offload == "device step":  # chunks of one layer's shards
             fczero.offload_optimizer_states(optimizer, chunk_bytes=2048 * 2049 * 4 // world_size)

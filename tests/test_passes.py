@@ -55,7 +55,7 @@ class PassTest(expecttest.TestCase):
     def graphs(self) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         torch.manual_seed(0)
         model = fczero.parallelize(
-            ThreeBlocks(), init_device_mesh("cpu", (2,)), compile_passes=False
+            ThreeBlocks(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(compile_passes=False)
         )
         backend = AotEagerAndRecordGraphs()
         torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 512)).sum().backward()
@@ -414,7 +414,7 @@ def _sequences(rank: int, world_size: int) -> list[list[list[str]]]:
         model = fczero.parallelize(
             UnevenTiedMLP(),
             init_device_mesh("cpu", (world_size,)),
-            bucket_bytes=0,
+            comm_policy=fczero.CommPolicy(bucket_bytes=0),
             memory_budget=budget,
         )
         compiled = torch.compile(model, backend=backends.aot_eager_with_passes)
@@ -446,7 +446,7 @@ def _gloo_schedule(rank: int, world_size: int) -> list[list[str]]:
     torch._dynamo.reset()
     backends.recorded.clear()
     model = fczero.parallelize(
-        ThreeBlocks(), init_device_mesh("cpu", (world_size,)), bucket_bytes=PER_BLOCK
+        ThreeBlocks(), init_device_mesh("cpu", (world_size,)), comm_policy=fczero.CommPolicy(bucket_bytes=PER_BLOCK)
     )
     compiled = torch.compile(model, backend=backends.aot_eager_with_passes)
     compiled(torch.randn(4, 512)).sum().backward()

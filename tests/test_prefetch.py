@@ -22,7 +22,7 @@ def _forward_log(model: torch.nn.Module) -> list[str]:
 
 
 def test_second_forward_gathers_a_block_ahead(fake_pg):
-    model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), bucket_bytes=PER_BLOCK)
+    model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(bucket_bytes=PER_BLOCK))
     first = _forward_log(model)  # records the gather order: gathers interleave with matmuls
     assert first[:4] == [
         "all_gather_into_tensor",
@@ -53,7 +53,7 @@ def test_backward_regathers_a_layer_ahead(fake_pg):
     weight comes in the head's bucket, before the head's matmuls, and blocks.1's regather
     is issued before blocks.2's matmuls; nothing is gathered twice."""
     mesh = init_device_mesh("cpu", (2,))
-    model = fczero.parallelize(ThreeBlocks(), mesh, bucket_bytes=PER_BLOCK)
+    model = fczero.parallelize(ThreeBlocks(), mesh, comm_policy=fczero.CommPolicy(bucket_bytes=PER_BLOCK))
     ops = _backward_log(model)
     assert ops[:2] == ["all_gather_into_tensor", "mm"]  # the head's bucket (with blocks.2's)
     assert ops.count("all_gather_into_tensor") == 2
@@ -62,20 +62,20 @@ def test_backward_regathers_a_layer_ahead(fake_pg):
     second = ops.index("all_gather_into_tensor", 1)
     assert ops[second - 1 : second + 2] == ["reduce_scatter_tensor", "all_gather_into_tensor", "mm"]
     assert ops[second:].count("mm") == 5  # blocks.2's two, blocks.1's two, blocks.0's one
-    off = fczero.parallelize(ThreeBlocks(), mesh, prefetch=0)
+    off = fczero.parallelize(ThreeBlocks(), mesh, comm_policy=fczero.CommPolicy(prefetch=0))
     ops_off = _backward_log(off)
     assert ops_off[:2] == ["all_gather_into_tensor", "mm"]
     assert ops_off.count("all_gather_into_tensor") == 3
 
 
 def test_prefetch_off(fake_pg):
-    model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), prefetch=0)
+    model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(prefetch=0))
     first, second = _forward_log(model), _forward_log(model)
     assert first == second  # without prefetch nothing moves
 
 
 def test_changed_order_turns_prefetch_off_for_that_step(fake_pg):
-    model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), bucket_bytes=PER_BLOCK)
+    model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(bucket_bytes=PER_BLOCK))
     _forward_log(model)
     model.blocks = torch.nn.ModuleList(reversed(list(model.blocks)))  # a different order
     log = _forward_log(model)
@@ -86,7 +86,7 @@ def _skip_a_block(rank: int, world_size: int) -> list[float]:
     torch.manual_seed(0)
     model = ThreeBlocks()
     reference = copy.deepcopy(model)
-    fczero.parallelize(model, init_device_mesh("cpu", (world_size,)), bucket_bytes=PER_BLOCK)
+    fczero.parallelize(model, init_device_mesh("cpu", (world_size,)), comm_policy=fczero.CommPolicy(bucket_bytes=PER_BLOCK))
     errors = []
     for skip in [set(), set(), {1}, set(), set()]:  # record, replay, change, re-record, replay
         model.skip = reference.skip = skip
@@ -116,7 +116,7 @@ class _ReadsShapes(ThreeBlocks):
 def _pending_after_steps(rank: int, world_size: int) -> list[int]:
     torch.manual_seed(0)
     model = fczero.parallelize(
-        _ReadsShapes(), init_device_mesh("cpu", (world_size,)), bucket_bytes=PER_BLOCK
+        _ReadsShapes(), init_device_mesh("cpu", (world_size,)), comm_policy=fczero.CommPolicy(bucket_bytes=PER_BLOCK)
     )
     pending = []
     for _ in range(3):  # record the order, then replay it with prefetch

@@ -7,6 +7,7 @@ reference.
 
 from __future__ import annotations
 
+import inspect
 import pytest
 import torch
 from torch._dynamo.testing import AotEagerAndRecordGraphs, CompileCounterWithBackend
@@ -19,16 +20,15 @@ from fczero.testing import backends, parity
 from fczero.testing.distributed import gpu_world_size, run_on_ranks
 from fczero.testing.graphs import collective_sequence
 from tests.models import TwoLayer, UnevenTiedMLP, mlp_batches, tiny_llama, token_batches
-from tests.test_numerics import BF16, FP32, Case, run_cases
+from tests.test_numerics import BF16, BF16_MP, BF16_OPTS, FP32, Case, run_cases
 
-BF16_OPTS = (("param_dtype", torch.bfloat16), ("reduce_dtype", torch.float32))
 
 CASES = [
     Case("mlp", options=(("stage", 1),)),
     Case("mlp", "adamw", options=(("stage", 2),)),
-    Case("llama", "adamw", options=(("stage", 1), ("bucket_bytes", 4096))),  # several buckets
+    Case("llama", "adamw", options=(("stage", 1), ("comm_policy", fczero.CommPolicy(bucket_bytes=4096)))),  # several buckets
     Case("llama", options=(("stage", 2),)),
-    Case("mlp", options=(("stage", 1), ("bucket_bytes", 0))),  # one param per bucket
+    Case("mlp", options=(("stage", 1), ("comm_policy", fczero.CommPolicy(bucket_bytes=0)))),  # one param per bucket
     Case("llama", options=(("stage", 1), *BF16_OPTS)),
     Case("mlp", backend="aot_eager", options=(("stage", 1),)),
     Case("mlp", backend="aot_eager", options=(("stage", 2),)),
@@ -43,7 +43,7 @@ def _bucket_launches(rank: int, world_size: int) -> dict:
     how many before backward ended."""
     torch.manual_seed(0)
     model = tiny_llama()
-    fczero.parallelize(model, init_device_mesh("cpu", (world_size,)), stage=1, bucket_bytes=4096)
+    fczero.parallelize(model, init_device_mesh("cpu", (world_size,)), stage=1, comm_policy=fczero.CommPolicy(bucket_bytes=4096))
     red = stages.root_state(model).reducer
     log: list[tuple[int, bool]] = []
     launch, finish = red._launch, red.finish
@@ -105,7 +105,7 @@ def _two_forwards_then_two_backwards(rank: int, world_size: int) -> dict[str, to
     the first backward reduces every bucket and the second's grads arrive late."""
     torch.manual_seed(0)
     model = UnevenTiedMLP()
-    fczero.parallelize(model, init_device_mesh("cpu", (world_size,)), stage=1, bucket_bytes=64)
+    fczero.parallelize(model, init_device_mesh("cpu", (world_size,)), stage=1, comm_policy=fczero.CommPolicy(bucket_bytes=64))
     (x1, y1), (x2, y2) = (parity._slice(b, rank, world_size, "cpu") for b in mlp_batches(2))
     loss1, loss2 = parity.mse(model(x1), y1), parity.mse(model(x2), y2)
     loss1.backward()
@@ -137,7 +137,7 @@ def test_matches_single_process_reference(ranks, case):
     expected = parity.train_reference(
         build, batches, criterion, optimizer=case.optimizer, lr=case.lr
     )
-    tol = BF16 if dict(case.options).get("param_dtype") == torch.bfloat16 else FP32
+    tol = BF16 if dict(case.options).get("mp_policy") == BF16_MP else FP32
     parity.assert_close(actual, expected, **tol)
 
 
@@ -205,7 +205,7 @@ def _inductor_run(rank: int, world_size: int, stage: int) -> parity.Trace:
 
 
 GPU_CASES = [
-    Case("llama", "adamw", options=(("stage", 1), ("bucket_bytes", 4096))),
+    Case("llama", "adamw", options=(("stage", 1), ("comm_policy", fczero.CommPolicy(bucket_bytes=4096)))),
     Case("mlp", options=(("stage", 2),)),
     Case("llama", backend="inductor", options=(("stage", 1),)),
     Case("llama", "adamw", backend="inductor", options=(("stage", 2),)),
@@ -225,7 +225,7 @@ def test_nccl_stages_match_reference():
         expected = parity.train_reference(
             build, batches, criterion, optimizer=case.optimizer, lr=case.lr, device="cuda"
         )
-        bf16 = dict(case.options).get("param_dtype") == torch.bfloat16
+        bf16 = dict(case.options).get("mp_policy") == BF16_MP
         parity.assert_close(actual, expected, **(BF16 if bf16 else {"rtol": 1e-4, "atol": 1e-5}))
 
 
@@ -272,7 +272,7 @@ def test_stage1_compiled_all_reduces_are_bucketed(fake_pg):
 
 
 def test_stage1_eager_buckets_follow_reverse_registration(fake_pg):
-    model = fczero.parallelize(TwoLayer(), init_device_mesh("cpu", (2,)), stage=1, bucket_bytes=600)
+    model = fczero.parallelize(TwoLayer(), init_device_mesh("cpu", (2,)), stage=1, comm_policy=fczero.CommPolicy(bucket_bytes=600))
     red = stages.root_state(model).reducer
     names = {id(p): n for n, p in model.named_parameters()}
     plan = [[names[id(red.params[i][0])] for i in bucket] for bucket in red.buckets]
@@ -282,7 +282,7 @@ def test_stage1_eager_buckets_follow_reverse_registration(fake_pg):
 
 def test_whole_copies_are_what_modules_read(fake_pg):
     model = fczero.parallelize(
-        TwoLayer(), init_device_mesh("cpu", (2,)), stage=2, param_dtype=torch.bfloat16
+        TwoLayer(), init_device_mesh("cpu", (2,)), stage=2, mp_policy=fczero.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     )
     with torch.no_grad():
         w = model.fc1.weight
@@ -304,6 +304,6 @@ def test_stage_that_does_not_exist(fake_pg, bad):
 
 
 def test_stage_is_an_option(fake_pg):
-    assert fczero.ShardingOptions().stage == 3
+    assert inspect.signature(fczero.parallelize).parameters["stage"].default == 3
     with pytest.raises(TypeError, match="Did you mean 'stage'"):
         fczero.parallelize(TwoLayer(), init_device_mesh("cpu", (2,)), stages=2)

@@ -1,4 +1,4 @@
-"""Selective unsharding (``unsharded_budget``): which blocks stay gathered, and that they
+"""Selective unsharding (``CommPolicy.keep_unsharded``): which blocks stay gathered, and that they
 then skip the backward all-gather, eager and compiled, with unchanged numerics."""
 
 from __future__ import annotations
@@ -33,11 +33,10 @@ def _kept(model: torch.nn.Module) -> list[str]:
     ]
 
 
-def _last_two_kept(**options) -> torch.nn.Module:
+def _last_two_kept(**comm) -> torch.nn.Module:
     """ThreeBlocks on a 2-rank mesh keeping its last two blocks (blocks.2 and the head)."""
-    return fczero.parallelize(
-        ThreeBlocks(), init_device_mesh("cpu", (2,)), unsharded_budget=HEAD + BLOCK, **options
-    )
+    policy = fczero.CommPolicy(keep_unsharded=HEAD + BLOCK, **comm)
+    return fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), comm_policy=policy)
 
 
 def test_block_of_groups_indexed_containers():
@@ -59,7 +58,7 @@ def test_block_of_groups_indexed_containers():
     ],
 )
 def test_whole_blocks_are_kept_from_the_last_one_back(fake_pg, budget, kept):
-    model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), unsharded_budget=budget)
+    model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(keep_unsharded=budget))
     assert sorted(_kept(model)) == sorted(kept)
 
 
@@ -78,31 +77,40 @@ class Wrapped(torch.nn.Module):
 
 def test_modules_outside_containers_are_units_of_their_own(fake_pg):
     embed = 512 * 512 * 4
-    model = fczero.parallelize(Wrapped(), init_device_mesh("cpu", (2,)), unsharded_budget=embed)
+    model = fczero.parallelize(Wrapped(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(keep_unsharded=embed))
     # registration order: blocks.0-2, head, embed; the embed was registered last
     assert sorted(_kept(model)) == ["model.embed.weight"]
     budget = embed + HEAD + 2 * BLOCK  # one byte short of blocks.0 as well
-    model = fczero.parallelize(Wrapped(), init_device_mesh("cpu", (2,)), unsharded_budget=budget)
+    model = fczero.parallelize(Wrapped(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(keep_unsharded=budget))
     kept = ["model.embed.weight", "model.head.weight"]
     kept += [f"model.blocks.{i}.{n}" for i in (1, 2) for n in ("weight", "bias")]
     assert sorted(_kept(model)) == sorted(kept)
 
 
-def test_no_selective_unsharding_without_resharding(fake_pg):
-    model = fczero.parallelize(
-        ThreeBlocks(), init_device_mesh("cpu", (2,)), reshard_after_forward=False, unsharded_budget=10**9
-    )
-    assert _kept(model) == []  # everything is kept anyway
+def test_keep_unsharded_without_resharding_is_refused(fake_pg):
+    model = ThreeBlocks()
+    with pytest.raises(ValueError, match="reshard_after_forward=False every param stays whole"):
+        fczero.parallelize(
+            model,
+            init_device_mesh("cpu", (2,)),
+            reshard_after_forward=False,
+            comm_policy=fczero.CommPolicy(keep_unsharded=10**9),
+        )
+    assert not fczero.is_parallelized(model)
+    assert _kept(fczero.parallelize(model, init_device_mesh("cpu", (2,)), reshard_after_forward=False)) == []
 
 
 def test_bad_budget_is_refused_before_anything_changes(fake_pg):
     model = ThreeBlocks()
-    with pytest.raises(ValueError, match="unsharded_budget=-1 is negative"):
-        fczero.parallelize(model, init_device_mesh("cpu", (2,)), unsharded_budget=-1)
-    with pytest.raises(ValueError, match="unsharded_budget='1GB'; use a number of bytes"):
-        fczero.parallelize(model, init_device_mesh("cpu", (2,)), unsharded_budget="1GB")
-    with pytest.raises(TypeError, match="unsharded_budget must be an int"):
-        fczero.parallelize(model, init_device_mesh("cpu", (2,)), unsharded_budget=1.5e9)
+    with pytest.raises(ValueError, match="keep_unsharded=-1 is negative"):
+        fczero.CommPolicy(keep_unsharded=-1)
+    with pytest.raises(ValueError, match="keep_unsharded='1GB'; use a number of bytes"):
+        fczero.CommPolicy(keep_unsharded="1GB")
+    with pytest.raises(TypeError, match="keep_unsharded must be an int"):
+        fczero.CommPolicy(keep_unsharded=1.5e9)
+    with pytest.raises(ValueError, match="keep_unsharded=-1 is negative"):  # the old spelling
+        with pytest.warns(DeprecationWarning):
+            fczero.parallelize(model, init_device_mesh("cpu", (2,)), unsharded_budget=-1)
     assert not fczero.is_parallelized(model)
 
 
@@ -135,7 +143,7 @@ def _train(rank: int, world_size: int, backend: str | None) -> parity.Trace:
         block_batches(steps=3),
         parity.mse,
         compile_backend=backend,
-        unsharded_budget=HEAD + BLOCK,
+        comm_policy=fczero.CommPolicy(keep_unsharded=HEAD + BLOCK),
     )
 
 
@@ -148,7 +156,7 @@ def _fake_peak(monkeypatch, headroom: int) -> None:
 
 
 def _train_auto(rank: int, world_size: int, backend: str | None):
-    """``unsharded_budget="auto"`` with a different headroom on each rank: rank 0's (the
+    """``keep_unsharded="auto"`` with a different headroom on each rank: rank 0's (the
     smaller) decides for both. Returns the trace and the blocks each plan kept."""
     headroom = HEAD + BLOCK + 100 if rank == 0 else 10 * BLOCK
     memory.peak_allocated = lambda device: AUTO_BUDGET - headroom
@@ -168,9 +176,8 @@ def _train_auto(rank: int, world_size: int, backend: str | None):
         block_batches(steps=4),
         parity.mse,
         compile_backend=backend,
-        unsharded_budget="auto",
-        memory_budget=AUTO_BUDGET,
-        prefetch=0,  # no eager buckets: the regathers count params
+        comm_policy=fczero.CommPolicy(keep_unsharded="auto", prefetch=0),  # no eager buckets:
+        memory_budget=AUTO_BUDGET,  # the regathers count params
     )
     unsharding.plan_kept_params = plan_kept_params
     return trace, plans
@@ -228,9 +235,8 @@ def test_auto_plans_after_the_second_step_from_the_headroom(fake_pg, monkeypatch
     model = fczero.parallelize(
         ThreeBlocks(),
         init_device_mesh("cpu", (2,)),
-        unsharded_budget="auto",
-        memory_budget=AUTO_BUDGET,
-        prefetch=0,  # no eager buckets: the regathers count params
+        comm_policy=fczero.CommPolicy(keep_unsharded="auto", prefetch=0),  # no eager buckets:
+        memory_budget=AUTO_BUDGET,  # the regathers count params
     )
     assert "auto, planned after optimizer step 2 (0 so far)" in str(fczero.memory_report(model))
     with caplog.at_level("INFO", logger="fczero"):
@@ -251,9 +257,8 @@ def test_auto_recompiles_once_with_the_kept_params(fake_pg, monkeypatch):
     model = fczero.parallelize(
         ThreeBlocks(),
         init_device_mesh("cpu", (2,)),
-        unsharded_budget="auto",
+        comm_policy=fczero.CommPolicy(keep_unsharded="auto", compile_passes=False),
         memory_budget=AUTO_BUDGET,
-        compile_passes=False,
     )
     backend = AotEagerAndRecordGraphs()
     counter = CompileCounterWithBackend(backend)
@@ -280,9 +285,8 @@ def test_auto_keeps_nothing_when_nothing_fits_or_nothing_is_measured(
     model = fczero.parallelize(
         ThreeBlocks(),
         init_device_mesh("cpu", (2,)),
-        unsharded_budget="auto",
+        comm_policy=fczero.CommPolicy(keep_unsharded="auto", prefetch=0),
         memory_budget=memory_budget,
-        prefetch=0,
     )
     with caplog.at_level("INFO", logger="fczero"):
         regathers, kept = _sgd_steps(model, model, 3)
@@ -353,7 +357,7 @@ def test_compiled_accumulation_gathers_kept_params_once(fake_pg):
 def _accumulate(rank: int, world_size: int) -> list[parity.Trace]:
     return [
         train_accumulating(
-            rank, world_size, "llama", 3, backend, 2, "context", unsharded_budget=10**9
+            rank, world_size, "llama", 3, backend, 2, "context", comm_policy=fczero.CommPolicy(keep_unsharded=10**9)
         )[0]
         for backend in (None, "aot_eager")
     ]
@@ -374,9 +378,8 @@ def _auto_on_cuda(rank: int, world_size: int, memory_budget: int):
     model = fczero.parallelize(
         ThreeBlocks().cuda(),
         init_device_mesh("cuda", (world_size,)),
-        unsharded_budget="auto",
+        comm_policy=fczero.CommPolicy(keep_unsharded="auto", prefetch=0),
         memory_budget=memory_budget,
-        prefetch=0,
     )
     regathers, kept = _sgd_steps(model, model, 4)
     plan = root_state(model).auto_unsharding.plan

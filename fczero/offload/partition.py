@@ -56,7 +56,7 @@ def partition(gm: fx.GraphModule, joint_inputs, *, base=None, **kwargs):
     if plan.offloaded and plan.device_type == "cpu":
         streams.warn_once(
             "activations-cpu",
-            "fczero: activation_offload on a CPU graph: activations are copied between host "
+            "fczero: OffloadPolicy.activations on a CPU graph: activations are copied between host "
             "buffers (the graph runs as with offload) and no memory is saved.",
         )
     return fw, bw
@@ -103,9 +103,9 @@ def install(required: bool) -> None:
         if not required:
             return
         raise RuntimeError(
-            "fczero: activation_offload needs torch._inductor.config.custom_partitioner_fn "
+            "fczero: OffloadPolicy.activations needs torch._inductor.config.custom_partitioner_fn "
             f"(torch 2.11 or newer); this torch is {__import__('torch').__version__}. "
-            "Upgrade torch or use activation_offload='off'."
+            "Upgrade torch or use OffloadPolicy(activations='off')."
         )
     current = inductor_config.custom_partitioner_fn
     if isinstance(current, FczeroPartitioner):

@@ -53,7 +53,7 @@ class MemoryReport:
         for i, plan in enumerate(self.plans):
             budget = "none" if plan.budget is None else _mib(plan.budget)
             lines.append(
-                f"graph pair {i}: activation_offload={plan.mode!r}, budget {budget}, "
+                f"graph pair {i}: activations={plan.mode!r}, budget {budget}, "
                 f"planned peak {_mib(plan.peak_before)} -> {_mib(plan.peak_after)} "
                 f"(forward {_mib(plan.forward_peak)}, backward {_mib(plan.backward_peak)}), "
                 f"{plan.hoisted} reloads issued ahead, {plan.delayed} offload waits delayed"
