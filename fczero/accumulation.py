@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
-from fczero import stages
+from fczero.state import ParamState, root_state
 
 logger = logging.getLogger("fczero")
 
@@ -45,7 +45,7 @@ def set_requires_gradient_sync(model: nn.Module, requires_sync: bool) -> None:
         raise TypeError(
             f"fczero.set_requires_gradient_sync needs True or False, got {requires_sync!r}."
         )
-    root = stages.root_state(getattr(model, "_orig_mod", model))  # a torch.compile wrapper too
+    root = root_state(getattr(model, "_orig_mod", model))  # a torch.compile wrapper too
     if root is None:
         raise ValueError(
             "fczero.set_requires_gradient_sync needs the root module that fczero.parallelize "
@@ -74,7 +74,7 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         set_requires_gradient_sync(model, True)
 
 
-def check_before_step(states: list[stages.ParamState]) -> None:
+def check_before_step(states: list[ParamState]) -> None:
     """Before an optimizer step over ``states``: refuse grads that were never reduced."""
     for state in states:
         if state.acc is not None and state.acc.grad is not None:

@@ -25,15 +25,9 @@ from fczero.offload import partition as offload_partition
 from fczero.passes import registry
 from fczero.passes.install import install
 from fczero.policies import CheckPolicy, CommPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fczero.sharding import (
-    MANAGED_ATTR,
-    ROOT_ATTR,
-    ShardSpec,
-    mesh_device,
-    quiet_gather_checkpoint_note,
-    shard_tensor,
-    wire_module,
-)
+from fczero.spec import ShardSpec, mesh_device, quiet_gather_checkpoint_note, shard_tensor
+from fczero.state import ATTR, root_state
+from fczero.wiring import wire_module
 
 logger = logging.getLogger("fczero")
 
@@ -203,13 +197,12 @@ def parallelize(
             sharded, spec = specs_by_param[key]
             specs_by_param[key] = sharded, dataclasses.replace(spec, keep_unsharded=True)
     _offload_params(specs_by_param, dp_mesh, options)
-    wiring: dict[nn.Module, dict[str, ShardSpec]] = {}
+    wiring: dict[nn.Module, list[str]] = {}
     for _, module, name, param in owners:
-        sharded, spec = specs_by_param[id(param)]
-        module._parameters[name] = sharded
-        wiring.setdefault(module, {})[name] = spec
-    for module, specs in wiring.items():
-        wire_module(module, specs)
+        module._parameters[name] = specs_by_param[id(param)][0]
+        wiring.setdefault(module, []).append(name)
+    for module, names in wiring.items():
+        wire_module(module, names)
     root = stages.attach(
         model,
         [(originals[key], *specs_by_param[key]) for key in specs_by_param],
@@ -237,19 +230,16 @@ def parallelize(
     else:
         registry.unregister(group_name)
 
-    setattr(model, ROOT_ATTR, options)
     guards.protect(model, params)  # ``params`` holds the replaced (old) params
     # Eager prefetch issues gathers from the order recorded on an earlier step, ahead of
     # the code that uses them: a rank-dependent branch would pair unrelated collectives
     # before the eager check at the end of forward could name it. So checking turns it off.
     comm = options.comm
     window = 0 if options.check is not None else comm.bucket_bytes * comm.prefetch
-    model.__dict__["_fczero_prefetch"] = eager_prefetch.EagerPrefetch(window, comm.bucket_bytes)
+    root.prefetch = eager_prefetch.EagerPrefetch(window, comm.bucket_bytes)
     if options.check is not None:
         consistency.enable(group_name, options.check.timeout_s)
-        model.__dict__["_fczero_eager_log"] = consistency.EagerLog(
-            group_name, options.check.timeout_s
-        )
+        root.eager_log = consistency.EagerLog(group_name, options.check.timeout_s)
     model.register_forward_pre_hook(_root_pre_forward, with_kwargs=True)
     model.register_forward_hook(_root_post_forward, always_call=True)
     logger.info(
@@ -265,7 +255,7 @@ def parallelize(
 
 def is_parallelized(model: nn.Module) -> bool:
     """True if ``model`` or one of its submodules went through ``parallelize``."""
-    return any(hasattr(m, MANAGED_ATTR) or hasattr(m, ROOT_ATTR) for m in model.modules())
+    return any(ATTR in m.__dict__ for m in model.modules())
 
 
 def _validate_model(
@@ -346,26 +336,26 @@ def _install_passes(
 
 
 def _root_pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Cast floating inputs to ``param_dtype`` (as FSDP2 does); in eager mode, open the
-    reshard scope (stage 3) and start eager prefetch."""
-    options: Options = getattr(module, ROOT_ATTR)
-    if options.mp.param_dtype is not None:
+    """Cast floating inputs to ``param_dtype`` (as FSDP2 does); in eager mode, mark the
+    root's forward, open the reshard scope (stage 3) and start eager prefetch."""
+    root = root_state(module)
+    param_dtype = root.options.mp.param_dtype
+    if param_dtype is not None:
         args, kwargs = tree_map_only(
-            torch.Tensor, partial(_cast_floating, options.mp.param_dtype), (args, kwargs)
+            torch.Tensor, partial(_cast_floating, param_dtype), (args, kwargs)
         )
     if torch.compiler.is_compiling():
         return args, kwargs
-    if options.selective_unsharding:  # stages 1/2 gather nothing
-        prefetcher = module.__dict__["_fczero_prefetch"]
-        scope = resharding.reshard_scope(prefetcher.window, prefetcher.bucket_bytes)
-        scope.__enter__()
-        module.__dict__["_fczero_scope"] = scope
+    root.in_forward = True
+    prefetcher = root.prefetch
+    if root.options.selective_unsharding:  # stages 1/2 gather nothing
+        root.scope = resharding.reshard_scope(prefetcher.window, prefetcher.bucket_bytes)
+        root.scope.__enter__()
     if eager_prefetch.active is None:  # the outermost parallelized root prefetches
-        eager_prefetch.active = module.__dict__["_fczero_prefetch"]
-        eager_prefetch.active.start()
-    log = module.__dict__.get("_fczero_eager_log")
-    if log is not None and consistency.EagerLog.active is None:
-        log.start()
+        eager_prefetch.active = prefetcher
+        prefetcher.start()
+    if root.eager_log is not None and consistency.EagerLog.active is None:
+        root.eager_log.start()
     return args, kwargs
 
 
@@ -376,14 +366,16 @@ def _cast_floating(dtype: torch.dtype, t: torch.Tensor) -> torch.Tensor:
 def _root_post_forward(module: nn.Module, args: object, output: object) -> None:
     """Undo ``_root_pre_forward``: finish eager prefetch, close the reshard scope."""
     if torch.compiler.is_compiling():
-        return  # no scope was opened; Dynamo on torch 2.11 cannot trace __dict__.pop
-    if eager_prefetch.active is module.__dict__["_fczero_prefetch"]:
+        return  # nothing was opened
+    root = root_state(module)
+    root.in_forward = False
+    if eager_prefetch.active is root.prefetch:
         eager_prefetch.active.finish()
         eager_prefetch.active = None
-    scope = module.__dict__.pop("_fczero_scope", None)
+    scope, root.scope = root.scope, None
     if scope is not None:
         scope.__exit__(None, None, None)
-    log = module.__dict__.get("_fczero_eager_log")
+    log = root.eager_log
     if log is not None and consistency.EagerLog.active is log:
         if sys.exc_info()[0] is None:
             log.finish()  # compare this forward's gathers with every rank's

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from fczero import stages
 from fczero.offload import params as param_offload
+from fczero.state import root_state
 
 logger = logging.getLogger("fczero")
 
@@ -191,7 +192,7 @@ def load(
         dcp.load(state, checkpoint_id=path, no_dist=_single())
     if optimizer is not None:
         _apply_optimizer_state(model, optimizer, state[_OPTIM])
-    root = stages.root_state(model)
+    root = root_state(model)
     if root is not None:  # stages 1 and 2: the whole copies follow the loaded shards
         stages.refresh(root.params)
     logger.info("loaded checkpoint of step %d from %s", meta["step"], path)

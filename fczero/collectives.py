@@ -25,6 +25,7 @@ its grad is all-reduced instead (``replicate_scalar``).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.distributed_c10d import _resolve_process_group
@@ -97,10 +98,28 @@ def wait_on(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended along dim 0 up to ``rows`` (itself when it has them):
+    every rank's shard padded to the same size, so all ranks gather equal elements."""
+    pad = rows - t.shape[0]
+    return F.pad(t, [0, 0] * (t.dim() - 1) + [0, pad]) if pad > 0 else t
+
+
 def all_gather(shard: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
     """Concatenate every rank's ``shard`` along dim 0 (asynchronous in eager)."""
     out = _c10d.all_gather_into_tensor(shard.contiguous(), group_size, group_name)
     return _async(out, group_name)
+
+
+def all_gather_waited(shard: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Concatenate every rank's ``shard`` along dim 0, waited (a plain tensor)."""
+    out = _c10d.all_gather_into_tensor(shard.contiguous(), group_size, group_name)
+    return _c10d.wait_tensor(out)
+
+
+def wait(t: torch.Tensor) -> torch.Tensor:
+    """The result of a collective issued earlier, waited."""
+    return _c10d.wait_tensor(t)
 
 
 def reduce_scatter_sum(full: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:

@@ -38,14 +38,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from fczero import collectives
 
 if TYPE_CHECKING:
-    from fczero.sharding import ShardSpec
+    from fczero.spec import ShardSpec
 
 
 @dataclass(frozen=True)
@@ -60,6 +59,12 @@ class _Layout:
     @property
     def numel(self) -> int:  # one rank's padded rows, flattened
         return self.rows_per_rank * math.prod(self.row_shape)
+
+
+def fits(ahead: int, size: int, window: int) -> bool:
+    """Whether a gather of ``size`` bytes may be issued beside ``ahead`` bytes already in
+    flight: within ``window``, and always when nothing is in flight (one at least)."""
+    return not ahead or ahead + size <= window
 
 
 def can_bucket(spec: ShardSpec) -> bool:
@@ -102,9 +107,7 @@ def _gather_flat(
     world = spec0.group_size
     pieces = []
     for shard, layout in zip(shards, layouts):
-        pad = layout.rows_per_rank - layout.local_rows
-        if pad:
-            shard = F.pad(shard, [0, 0] * (shard.dim() - 1) + [0, pad])
+        shard = collectives.pad_rows(shard, layout.rows_per_rank)
         pieces.append(collectives._to(shard, spec0.param_dtype).reshape(-1))
     gathered = collectives.all_gather(torch.cat(pieces), world, spec0.group_name)
     # plain slices, waited by their consumers ([Note: plain bucket slices])
@@ -178,10 +181,3 @@ def unsharded(spec: ShardSpec, piece: torch.Tensor) -> torch.Tensor:
     if full.shape[0] != spec.shape[0]:
         full = full.narrow(0, 0, spec.shape[0])
     return full
-
-
-def hand_off(spec: ShardSpec, param: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
-    """A member's slice of its bucket -> the unsharded param for the module."""
-    from fczero.sharding import hand_over
-
-    return hand_over(spec, param, unsharded(spec, piece))

@@ -46,7 +46,6 @@ _REPLACED: dict[int, tuple[weakref.ref, str]] = {}
 _CHECKED_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
 _OPTIMIZER_HOOK: object | None = None
 _GUARDED_CLASSES: dict[type, type] = {}
-_GUARD_ATTR = "_fczero_guarded"
 
 
 # ---- before sharding ------------------------------------------------------------------
@@ -107,7 +106,7 @@ def protect(model: nn.Module, replaced: list[tuple[str, nn.Parameter]]) -> None:
     model.register_load_state_dict_pre_hook(_refuse_plain_state)
     for module in model.modules():
         owns_params = next(module.parameters(), None) is not None
-        if owns_params and not getattr(type(module), _GUARD_ATTR, False):
+        if owns_params and not isinstance(module, _Guarded):
             module.__class__ = _guarded_class(type(module))
 
 
@@ -178,11 +177,17 @@ def _refuse_plain_state(module: nn.Module, state_dict: dict, prefix: str, *args:
                 )
 
 
+class _Guarded:
+    """Marks the guarded subclasses that ``_guarded_class`` makes."""
+
+    __slots__ = ()
+
+
 def _guarded_class(cls: type) -> type:
     guarded = _GUARDED_CLASSES.get(cls)
     if guarded is None:
-        attrs = {"_apply": _guarded_apply, _GUARD_ATTR: True, "__module__": cls.__module__}
-        guarded = type(cls.__name__, (cls,), attrs)
+        attrs = {"_apply": _guarded_apply, "__module__": cls.__module__}
+        guarded = type(cls.__name__, (cls, _Guarded), attrs)
         guarded.__qualname__ = cls.__qualname__
         _GUARDED_CLASSES[cls] = guarded
     return guarded

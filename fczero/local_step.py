@@ -44,6 +44,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from fczero.state import optimizer_state
+
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
     torch.optim.Adam,
@@ -82,7 +84,7 @@ def _steps_locally(
 ) -> bool:
     if type(optimizer) not in ELEMENTWISE or torch.compiler.is_compiling():
         return False
-    if optimizer.__dict__.get("_fczero_offload"):
+    if optimizer_state(optimizer).offload:
         return False  # optimizer-state offload points state tensors at its own buffers
     state = optimizer.state
     for p in params:

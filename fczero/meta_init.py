@@ -64,7 +64,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fczero.config import Options
-from fczero.sharding import ShardSpec, empty_shard, mesh_device, shard_tensor
+from fczero.spec import ShardSpec, empty_shard, mesh_device, shard_tensor
 
 logger = logging.getLogger("fczero")
 

@@ -30,10 +30,11 @@ import torch
 import torch.utils.checkpoint
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from fczero import collectives, eager_buckets
+from fczero import collectives, consistency, eager_buckets, resharding
+from fczero.spec import _local
 
 if TYPE_CHECKING:
-    from fczero.sharding import ShardSpec
+    from fczero.spec import ShardSpec
 
 logger = logging.getLogger("fczero")
 
@@ -45,12 +46,6 @@ Recorded = tuple["ShardSpec", torch.Tensor, bool]
 
 # The dispatch mode a selective-checkpoint region's forward runs under (torch-private).
 _SAC_FORWARD_MODE = getattr(torch.utils.checkpoint, "_CachingTorchDispatchMode", None)
-
-
-def fits(ahead: int, size: int, window: int) -> bool:
-    """Whether a gather of ``size`` bytes may be issued beside ``ahead`` bytes already in
-    flight: within ``window``, and always when nothing is in flight (one at least)."""
-    return not ahead or ahead + size <= window
 
 
 class EagerPrefetch:
@@ -91,7 +86,7 @@ class EagerPrefetch:
         if full is None:
             full = gather(spec, param)
         elif n in self.bucket_of:
-            full = eager_buckets.hand_off(spec, param, full)
+            full = hand_over(spec, param, eager_buckets.unsharded(spec, full))
         self._issue_ahead(n, gather)
         return full
 
@@ -118,7 +113,7 @@ class EagerPrefetch:
                 continue
             members = self.bucket_of.get(j, [j])
             size = sum(sizes[i] for i in members)
-            if not fits(ahead, size, self.window):
+            if not eager_buckets.fits(ahead, size, self.window):
                 break
             j = self._issue(j, gather)
             ahead += size
@@ -148,3 +143,26 @@ def _in_selective_checkpoint() -> bool:
 
 
 active: EagerPrefetch | None = None
+
+
+def eager_gather(spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
+    """The eager gather of a sharded param with rows: issued now (or earlier, when the
+    active root prefetched it) and waited here, as it is handed to the module."""
+    if active is not None:
+        full = active.gather(spec, param, _gather_now)
+    else:
+        full = _gather_now(spec, param)
+    return collectives.settle(full)
+
+
+def _gather_now(spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
+    return hand_over(spec, param, spec._gather(_local(param)))
+
+
+def hand_over(spec: ShardSpec, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """An eager gather on its way to the module: noted for the collective check, and
+    (stage 3) recorded so that saving it packs a recipe (``fczero.resharding``)."""
+    consistency.note_gather(spec.shape, spec.param_dtype)
+    if not spec.keep_unsharded:
+        resharding.register_gathered(full, spec, param)
+    return full

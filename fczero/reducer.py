@@ -27,14 +27,12 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from fczero import collectives
 
 logger = logging.getLogger("fczero")
 
-_c10d = torch.ops._c10d_functional
 
 
 @dataclass(frozen=True)
@@ -62,9 +60,7 @@ def reduce_whole_grad(grad: torch.Tensor, route: Route) -> torch.Tensor:
     """Averaged reduce of one whole grad (already in reduce_dtype) -> this rank's rows."""
     grad = grad / route.group_size
     if route.kind == "scatter":
-        pad = route.rows_per_rank * route.group_size - grad.shape[0]
-        if pad:
-            grad = F.pad(grad, [0, 0] * (grad.dim() - 1) + [0, pad])
+        grad = collectives.pad_rows(grad, route.rows_per_rank * route.group_size)
         out = collectives.reduce_scatter_sum(grad, route.group_size, route.group_name)
         if route.local_rows != route.rows_per_rank:
             out = out.narrow(0, 0, route.local_rows)
@@ -178,7 +174,7 @@ class Reducer:
             self._launch(len(self.launched))
         with torch.no_grad():
             for b, out in self.launched:
-                flat = _c10d.wait_tensor(out)
+                flat = collectives.wait(out)
                 offset = 0
                 for i in self.buckets[b]:
                     param, route, shape = self.params[i]

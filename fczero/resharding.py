@@ -41,10 +41,10 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fczero import collectives, eager_buckets, prefetch
+from fczero import collectives, eager_buckets
 
 if TYPE_CHECKING:
-    from fczero.sharding import ShardSpec
+    from fczero.spec import ShardSpec
 
 
 @dataclass
@@ -204,7 +204,7 @@ class _Scope:
                 continue
             members = buckets.get(i, [i])
             size = sum(self._bytes(self.saved[j]) for j in members)
-            if not prefetch.fits(ahead, size, self.window):
+            if not eager_buckets.fits(ahead, size, self.window):
                 break
             self._hold(entry, self._issue(i))
             ahead += size

@@ -15,9 +15,9 @@ step over the same params, so every rank issues the same all-gathers. Refreshing
 place keeps each copy the same tensor, so compiled graphs that read it are not
 recompiled. After changing shards any other way, call ``fczero.refresh_params``.
 
-Every managed param gets a ``ParamState`` (stage 3 too): the unsharded-param property
-asks it for the unsharded param, and it sends the plain case (stage 3, gradient sync
-on, nothing accumulated) to ``ShardSpec.unshard`` unchanged.
+``attach`` gives every managed param its ``ParamState`` (``fczero.state``) and every
+managed module its ``ModuleState``; the optimizer step hooks here serve every stage
+(accumulation checks, param-offload waits, the local step, the refresh).
 """
 
 from __future__ import annotations
@@ -31,162 +31,36 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
-from torch.utils.checkpoint import checkpoint
-from torch.utils.weak import WeakIdKeyDictionary
 
-from fczero import collectives, local_step, resharding, unsharding
+from fczero import accumulation, collectives, guards, local_step
 from fczero.offload import params as param_offload
-from fczero.reducer import REDUCERS, Reducer, Route, whole_param
-from fczero.sharding import STATE_ATTR, _local, _recompute_everything, mesh_device
+from fczero.reducer import REDUCERS, Reducer, Route
+from fczero.spec import mesh_device
+from fczero.state import (
+    ParamState,
+    RootState,
+    module_state,
+    optimizer_state,
+    remember,
+    root_state,
+    state_of,
+)
 
 if TYPE_CHECKING:
     from fczero.config import Options
-    from fczero.sharding import ShardSpec
+    from fczero.spec import ShardSpec
 
 logger = logging.getLogger("fczero")
-
-#: Attribute on the root module: its ``RootState``.
-ROOT_STATE_ATTR = "_fczero_root_state"
-
-_c10d = torch.ops._c10d_functional
-
-
-class RootState:
-    """What one parallelized root shares with its params: the sync flag and the order."""
-
-    def __init__(self, options: Options, mesh: DeviceMesh) -> None:
-        self.options = options
-        self.mesh = mesh
-        self._sync = True
-        self.in_forward = False  # an eager forward of the root is running
-        self.params: list[ParamState] = []  # registration order, identical on every rank
-        self.reducer: Reducer | None = None
-        self.reducer_key = -1
-        # selective unsharding: the plan from keep_unsharded bytes, or the automatic one
-        self.kept: unsharding.KeptPlan | None = None
-        self.auto_unsharding: unsharding.AutoUnsharding | None = None
-
-
-    @property
-    def sync(self) -> bool:
-        """Reduce grads in backward (False: accumulate, see ``fczero.accumulation``)."""
-        return self._sync
-
-    @sync.setter
-    def sync(self, value: bool) -> None:
-        self._sync = value
-        for state in self.params:  # each param reads its own copy when traced
-            state.sync = value
-
-
-class ParamState:
-    """One sharded param: its whole copy (stages 1/2) and its accumulated grads."""
-
-    def __init__(self, root: RootState, spec: ShardSpec, param: nn.Parameter) -> None:
-        self.root = root
-        self.spec = spec
-        self.param = param
-        self.sync = root.sync  # the root's flag ([Note: what a compiled gather reads])
-        self.whole: torch.Tensor | None = None  # stages 1/2 (not 0-d): the kept whole copy
-        self.acc: torch.Tensor | None = None  # leaf whose .grad accumulates while unsynced
-        self.route: Route | None = None
-        # a kept param's gather, reused by the micro-batches of one accumulation, and the
-        # sharded param's version counter when gathered (-1: gathered in a compiled graph)
-        self.reused: torch.Tensor | None = None
-        self.reused_version = -1
-
-    def unshard(self, param: torch.Tensor) -> torch.Tensor:
-        """The unsharded param a module computes with (called on every access)."""
-        spec = self.spec
-        grad_path = param.requires_grad and torch.is_grad_enabled()
-        accumulating = grad_path and not self.sync
-        pending = None
-        if grad_path and self.sync and self.acc is not None:
-            # The first synced use after accumulating: its backward adds what no_sync summed.
-            pending, self.acc = self.acc.grad, None
-        if self.whole is None and not accumulating and pending is None:
-            # only kept params ever hold a reused gather: the others skip the attribute
-            # (under compile each read would be one more guard, each write a side effect)
-            if spec.keep_unsharded and self.reused is not None:
-                self.reused = None
-            return spec.unshard(param)
-        if self.whole is not None:
-            if not grad_path:
-                return self.whole
-            whole = self.whole
-        else:
-            whole = self._gather_without_grad(param)
-            if pending is not None and spec.keep_unsharded:
-                self.reused = None  # the accumulation's last micro-batch: the step follows
-        route, reducer = self.route, self.root.reducer
-        eager_stage1 = reducer is not None and route.index >= 0
-        if eager_stage1 and not accumulating and not collectives._tracing():
-            reducer.expect(route.index)  # one more grad for its bucket to wait for
-        local = self.spec._on_device(_local(param))  # (param offload: from the host)
-        return whole_param(local, whole, self.acc if accumulating else None, pending, route)
-
-    def _gather_without_grad(self, param: torch.Tensor) -> torch.Tensor:
-        """Stage 3 (or a 0-d param) while accumulating: the whole param, without the reduce
-        that the core gather's backward would issue."""
-        spec = self.spec
-        local = _local(param).detach()
-        if spec.is_scalar:
-            return collectives._to(spec._on_device(local), spec.param_dtype)
-        if spec.keep_unsharded:
-            return self._reuse_or_gather(local, param)
-        if torch.compiler.is_compiling():
-            return checkpoint(
-                spec._gather, local, use_reentrant=False, context_fn=_recompute_everything
-            )
-        full = spec._gather(local)
-        resharding.register_gathered(full, spec, param)  # saved views regather in backward
-        return full
-
-    def _reuse_or_gather(self, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-        """Selective unsharding while accumulating: the first micro-batch's gather serves
-        every later one, up to the synced micro-batch, which drops it. Eager also gathers
-        again when the sharded param changed in between (its version counter moved: the
-        DTensor's own, since in-place ops on a DTensor leave its local tensor's counter
-        alone); a compiled graph cannot read the counter and relies on the drop alone.
-        Under compile the first micro-batch's graph returns the gather (stored here) and
-        the later ones take it as an input."""
-        compiling = torch.compiler.is_compiling()
-        version = -1 if compiling else param._version
-        if self.reused is not None and (compiling or self.reused_version == version):
-            return self.reused
-        full = self.spec._gather(local)
-        self.reused, self.reused_version = full, version
-        return full
-
-    def new_accumulator(self) -> None:
-        """A leaf whose ``.grad`` collects this param's whole grads (reduce_dtype); the leaf
-        itself is one element broadcast to the whole shape."""
-        if self.acc is not None or not self.param.requires_grad:
-            return
-        route = self.route
-        device = self.spec.compute_device or self.param.device  # (param offload: the device's)
-        one = torch.zeros((), dtype=route.reduce_dtype, device=device)
-        self.acc = one.expand(self.spec.shape).detach().requires_grad_(True)
-
-
-#: Sharded param -> weak reference to its state (for the optimizer hooks). Both weak: the
-#: model alone keeps its states (and so its params) alive.
-_STATES: WeakIdKeyDictionary = WeakIdKeyDictionary()
-#: optimizer -> (its params when looked up, weak references to their states): ``_states_of``
-_OPTIMIZER_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_hooks_installed = False
-
 
 def attach(
     model: nn.Module,
     params: list[tuple[torch.Tensor, nn.Parameter, ShardSpec]],
-    wiring: dict[nn.Module, dict[str, ShardSpec]],
+    wiring: dict[nn.Module, list[str]],
     options: Options,
     mesh: DeviceMesh,
 ) -> RootState:
@@ -224,7 +98,7 @@ def attach(
             state.whole = whole
         root.params.append(state)
         by_param[id(sharded)] = state
-        _STATES[sharded] = weakref.ref(state)
+        remember(state)
     if reducer_slots:
         reducer = Reducer(reducer_slots, options.comm.bucket_bytes)
         root.reducer = reducer  # REDUCERS holds it weakly
@@ -235,13 +109,11 @@ def attach(
                 state.route = _with_reducer(state.route, root.reducer_key)
         for slot, state in enumerate(s for s in root.params if s.route.index >= 0):
             reducer.params[slot] = (state.param, state.route, state.spec.shape)
-    for module, specs in wiring.items():
-        module.__dict__[STATE_ATTR] = {
-            name: by_param[id(module._parameters[name])] for name in specs
+    for module, names in wiring.items():
+        module_state(module, create=True).params = {
+            name: by_param[id(module._parameters[name])] for name in names
         }
-    model.__dict__[ROOT_STATE_ATTR] = root
-    model.register_forward_pre_hook(_enter_forward)
-    model.register_forward_hook(_leave_forward, always_call=True)
+    module_state(model, create=True).root = root
     _install_optimizer_hooks()
     return root
 
@@ -250,21 +122,6 @@ def _with_reducer(route: Route, key: int) -> Route:
     fields = dict(route.__dict__)
     fields["reducer"] = key
     return Route(**fields)
-
-
-def _enter_forward(module: nn.Module, args: tuple) -> None:
-    if not torch.compiler.is_compiling():
-        module.__dict__[ROOT_STATE_ATTR].in_forward = True
-
-
-def _leave_forward(module: nn.Module, args: tuple, output: object) -> None:
-    if not torch.compiler.is_compiling():
-        module.__dict__[ROOT_STATE_ATTR].in_forward = False
-
-
-def root_state(model: nn.Module) -> RootState | None:
-    """The ``RootState`` of a parallelized root (None for any other module)."""
-    return model.__dict__.get(ROOT_STATE_ATTR)
 
 
 def refresh(states: list[ParamState]) -> None:
@@ -294,12 +151,9 @@ def _gather_into_wholes(bucket: list[ParamState]) -> None:
     for state in bucket:
         spec = state.spec
         local = state.param.to_local().to(state.whole.dtype)
-        pad = spec.rows_per_rank - spec.local_rows
-        if pad:
-            local = F.pad(local, [0, 0] * (local.dim() - 1) + [0, pad])
-        pieces.append(local.reshape(-1))
+        pieces.append(collectives.pad_rows(local, spec.rows_per_rank).reshape(-1))
     flat = torch.cat(pieces)
-    out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, world, spec0.group_name))
+    out = collectives.all_gather_waited(flat, world, spec0.group_name)
     by_rank = out.view(world, -1)
     offset = 0
     for state, piece in zip(bucket, pieces):
@@ -322,67 +176,42 @@ def refresh_params(model: nn.Module) -> None:
     refresh(root.params)
 
 
-def _state_of(param: torch.Tensor) -> ParamState | None:
-    ref = _STATES.get(param)
-    return ref() if ref is not None else None
-
-
-def options_of(param: torch.Tensor) -> Options | None:
-    """The ``parallelize`` options of the model that owns sharded ``param`` (else None)."""
-    state = _state_of(param)
-    return state.root.options if state is not None else None
-
-
-def compute_device_of(param: torch.Tensor) -> torch.device | None:
-    """The device a param-offloaded sharded ``param`` is gathered to (None: its shard is
-    where its compute is, or it is not fczero's)."""
-    state = _state_of(param)
-    return state.spec.compute_device if state is not None else None
-
-
-_IN_PARTS = "_fczero_step_in_parts"  # set on an optimizer while it steps part of its params
-
-
 @contextlib.contextmanager
 def one_step_in_parts(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """One optimizer step made of several ``optimizer.step()`` calls, each on a part of the
     params (the chunked step of optimizer-state offload): fczero's global step hooks run
     once, over all params, before the first part and after the last, and not around each
     part (where they would check, wait or count per part)."""
-    from fczero import guards  # (guards is imported after this module)
-
     guards.check_optimizer(optimizer, (), {})
     _before_step(optimizer, (), {})
-    optimizer.__dict__[_IN_PARTS] = True
+    record = optimizer_state(optimizer)
+    record.in_parts = True
     try:
         yield
     finally:
-        del optimizer.__dict__[_IN_PARTS]
+        record.in_parts = False
     _after_step(optimizer, (), {})
 
 
 def _states_of(optimizer: torch.optim.Optimizer) -> list[ParamState]:
     """The fczero params ``optimizer`` holds, looked up again only when its params change."""
     params = tuple(p for group in optimizer.param_groups for p in group["params"])
-    cached = _OPTIMIZER_STATES.get(optimizer)
-    # (the key holds its params alive, so identity cannot be reused by another tensor; the
-    # states are held weakly, as in _STATES: the model alone keeps them alive)
-    if cached is not None and len(cached[0]) == len(params):
-        if all(a is b for a, b in zip(cached[0], params)):
-            states = [ref() for ref in cached[1]]
-            if None not in states:
-                return states
-    states = [s for s in map(_state_of, params) if s is not None]
-    _OPTIMIZER_STATES[optimizer] = (params, [weakref.ref(s) for s in states])
+    record = optimizer_state(optimizer)
+    # (the record holds its params alive, so identity cannot be reused by another tensor;
+    # the states are held weakly: the model alone keeps them alive)
+    if len(record.params) == len(params) and all(a is b for a, b in zip(record.params, params)):
+        states = [ref() for ref in record.states]
+        if None not in states:
+            return states
+    states = [s for s in map(state_of, params) if s is not None]
+    record.params, record.states = params, [weakref.ref(s) for s in states]
     return states
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     """Refuse grads accumulated but never reduced; under param offload, wait for the
     device, since the step writes host shards that device copies may still read."""
-    from fczero import accumulation  # (it imports this module)
-
-    if optimizer.__dict__.get(_IN_PARTS):
+    if optimizer_state(optimizer).in_parts:
         return
     states = _states_of(optimizer)
     accumulation.check_before_step(states)
@@ -394,7 +223,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
 
 def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     local_step.restore(optimizer)
-    if optimizer.__dict__.get(_IN_PARTS):
+    if optimizer_state(optimizer).in_parts:
         return
     roots: dict[int, tuple[RootState, set[int]]] = {}
     for state in _states_of(optimizer):
@@ -406,6 +235,9 @@ def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> 
             refresh([s for s in root.params if id(s) in ids])
         if root.auto_unsharding is not None:
             root.auto_unsharding.after_step()
+
+
+_hooks_installed = False
 
 
 def _install_optimizer_hooks() -> None:

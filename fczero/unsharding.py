@@ -21,7 +21,7 @@ gathered param for backward; in eager mode the reshard scope leaves it out.
 
 While gradients accumulate (``fczero.no_sync``), a kept param is gathered once per
 accumulation, eager and compiled: the micro-batches after the first reuse that gather,
-up to the synced micro-batch (``fczero.stages.ParamState.reused``).
+up to the synced micro-batch (``fczero.state.ParamState.reused``).
 
 [Note: automatic selective unsharding]
 ``keep_unsharded="auto"`` sizes the kept blocks from ``memory_budget`` instead of by
@@ -61,12 +61,13 @@ import torch.distributed as dist
 
 from fczero import policies
 from fczero.memory import budget_and_peak
+from fczero.state import root_state
 
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from fczero.sharding import ShardSpec
-    from fczero.stages import ParamState
+    from fczero.spec import ShardSpec
+    from fczero.state import ParamState
 
 #: ``keep_unsharded`` value that sizes the kept blocks from ``memory_budget``.
 AUTO = policies.AUTO
@@ -196,25 +197,16 @@ class AutoUnsharding:
 
     def _apply(self, ids: frozenset[int]) -> None:
         """Mark the kept params in their states and modules; the next step uses them."""
-        from fczero.sharding import MANAGED_ATTR, STATE_ATTR
-
         model = self.model()
-        if model is None:
+        root = root_state(model) if model is not None else None
+        if root is None:
             return
-        for module in model.modules():
-            states = module.__dict__.get(STATE_ATTR)
-            if not states:
-                continue
-            for name, state in states.items():
-                if id(state.param) not in ids:
-                    continue
-                if not state.spec.keep_unsharded:  # (a tied param's state is shared)
-                    state.spec = dataclasses.replace(state.spec, keep_unsharded=True)
-                module.__dict__[MANAGED_ATTR][name] = state.spec
+        for state in root.params:
+            if id(state.param) in ids and not state.spec.keep_unsharded:
+                state.spec = dataclasses.replace(state.spec, keep_unsharded=True)
         # eager prefetch replays gathers with the specs it recorded: record anew
-        prefetcher = model.__dict__.get("_fczero_prefetch")
-        if prefetcher is not None:
-            prefetcher.order = None
+        if root.prefetch is not None:
+            root.prefetch.order = None
 
 
 def report_line(kept: KeptPlan | None, auto: AutoUnsharding | None) -> str | None:

@@ -9,7 +9,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fczero
-from tests.models import TwoLayer, UnevenTiedMLP
+from fczero.testing import parity
+from fczero.testing.distributed import run_on_ranks
+from tests.models import (
+    ThreeBlocks,
+    TwoLayer,
+    UnevenTiedMLP,
+    block_batches,
+    tiny_llama,
+    token_batches,
+)
 
 
 @pytest.mark.parametrize("fake_pg", [4], indirect=True)
@@ -125,3 +134,47 @@ def test_not_a_mesh_or_module(fake_pg):
         fczero.parallelize(TwoLayer(), "cpu")
     with pytest.raises(TypeError, match="needs an nn.Module"):
         fczero.parallelize(lambda x: x, init_device_mesh("cpu", (2,)))
+
+
+def _two_models_side_by_side(rank: int, world_size: int) -> list[parity.Trace]:
+    """Two models parallelized in one process, with different options, trained in one
+    loop: both forwards run before one backward of the summed losses, so any state they
+    shared (prefetch, reshard scope, reducer, step hooks) would mix them up."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    small_buckets = fczero.CommPolicy(bucket_bytes=1 << 20)
+    blocks = fczero.parallelize(ThreeBlocks(), mesh, comm_policy=small_buckets)
+    torch.manual_seed(1)
+    llama = fczero.parallelize(tiny_llama(), mesh, stage=2)
+    models = (blocks, llama)
+    optimizers = [parity.make_optimizer("sgd", m.parameters(), 0.05) for m in models]
+    criteria = (parity.mse, parity.cross_entropy)
+    data = list(zip(block_batches(steps=3), token_batches(steps=3)))
+    losses: list[list[float]] = [[], []]
+    for step_batches in data:
+        total = []
+        for i, (model, (inputs, target)) in enumerate(zip(models, step_batches)):
+            size = inputs.shape[0] // world_size
+            rows = slice(rank * size, (rank + 1) * size)
+            total.append(criteria[i](model(inputs[rows]), target[rows]))
+        sum(total).backward()
+        for i, (opt, loss) in enumerate(zip(optimizers, total)):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            reduced = loss.detach().clone()
+            torch.distributed.all_reduce(reduced)
+            losses[i].append(reduced.item() / world_size)
+    return [
+        parity.Trace(losses[i], {n: p.full_tensor().detach() for n, p in m.named_parameters()})
+        for i, m in enumerate(models)
+    ]
+
+
+def test_two_models_in_one_process_share_nothing():
+    blocks, llama = run_on_ranks(_two_models_side_by_side, 2)[0]
+    expected_blocks = parity.train_reference(ThreeBlocks, block_batches(steps=3), parity.mse, seed=0)
+    expected_llama = parity.train_reference(
+        tiny_llama, token_batches(steps=3), parity.cross_entropy, seed=1
+    )
+    parity.assert_close(blocks, expected_blocks, rtol=1e-5, atol=1e-6)
+    parity.assert_close(llama, expected_llama, rtol=1e-5, atol=1e-6)

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 import fczero
 from fczero.api import OPTION_NAMES
 from fczero.config import DEPRECATED
-from fczero.stages import root_state
+from fczero.state import root_state
 from tests.models import ThreeBlocks, TwoLayer
 
 

@@ -9,7 +9,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import fczero
-from fczero import eager_buckets
+from fczero import eager_buckets, prefetch
+from fczero.state import module_state, root_state
 from fczero.testing import parity
 from fczero.testing.comm import CollectiveLog
 from fczero.testing.distributed import run_on_ranks
@@ -69,7 +70,7 @@ def test_plan_follows_bytes_and_leaves_checkpointed_gathers_alone(fake_pg):
     never gathered, so it is not in the order."""
     model = fczero.parallelize(UnevenTiedMLP(), init_device_mesh("cpu", (2,)))
     model(torch.randn(4, 5)).sum().backward()
-    order = model.__dict__["_fczero_prefetch"].order
+    order = root_state(model).prefetch.order
     assert [spec.unsharded_bytes(p) for spec, p, _ in order] == [260, 52, 364, 28, 196, 140, 20, 260]
     assert eager_buckets.plan(order, 10**9) == [list(range(8))]
     # 312 bytes: runs close when the next gather would not fit; runs of one are no bucket
@@ -119,10 +120,13 @@ def test_bucket_members_are_plain_slices_waited_by_their_consumer(fake_pg):
     from fczero.collectives import wait_on
     from fczero.testing.distributed import pending_collectives
 
+    def hand_off(spec, param, piece):  # what eager prefetch does with a bucket's member
+        return prefetch.hand_over(spec, param, eager_buckets.unsharded(spec, piece))
+
     model = fczero.parallelize(ThreeBlocks(dim=64), init_device_mesh("cpu", (2,)))
     members = [
-        (spec, model.blocks[0]._parameters[name])
-        for name, spec in model.blocks[0]._fczero_specs.items()
+        (state.spec, model.blocks[0]._parameters[name])
+        for name, state in module_state(model.blocks[0]).params.items()
     ]
     before = pending_collectives()
     with CollectiveLog() as log:
@@ -133,9 +137,9 @@ def test_bucket_members_are_plain_slices_waited_by_their_consumer(fake_pg):
     wait_on(pieces[-1])  # the last member first: it waits for the bucket's collective
     assert pending_collectives() == before
     for spec, param in members:
-        full = eager_buckets.hand_off(spec, param, pieces.pop(0))
+        full = hand_off(spec, param, pieces.pop(0))
         assert full.shape == spec.shape
     assert pending_collectives() == before
     pieces = eager_buckets.gather_bucket(members)  # handed off at once: waited there
-    eager_buckets.hand_off(*members[0], pieces[0])
+    hand_off(*members[0], pieces[0])
     assert pending_collectives() == before

@@ -25,6 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import fczero
 from fczero import resharding
+from fczero.state import module_state
 from fczero.testing import parity
 from fczero.testing.comm import CollectiveLog
 from fczero.testing.distributed import run_on_ranks
@@ -296,7 +297,7 @@ def test_hsdp_with_tensor_parallel_layout(fake_pg):
     inp = model.inp._parameters["weight"]
     assert inp.device_mesh.mesh_dim_names == ("replicate", "shard")
     assert tuple(inp.placements) == (Replicate(), Shard(0))
-    spec = model.up._fczero_specs["weight"]
+    spec = module_state(model.up).params["weight"].spec
     assert spec.replicate == (2, mesh["replicate"].get_group().group_name)
     assert spec.group_name == mesh["shard"].get_group().group_name
     with CollectiveLog() as log:

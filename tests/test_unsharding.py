@@ -14,7 +14,7 @@ from fczero.testing.comm import CollectiveLog
 from fczero.testing.distributed import run_on_ranks
 from fczero.testing.graphs import collective_sequence, saved_unsharded
 from fczero import memory, unsharding
-from fczero.stages import root_state
+from fczero.state import module_state, root_state
 from fczero.unsharding import block_of
 from tests.models import ThreeBlocks, block_batches
 from tests.test_accumulation import _setup as accumulation_setup
@@ -28,8 +28,8 @@ def _kept(model: torch.nn.Module) -> list[str]:
     return [
         f"{path}.{name}" if path else name
         for path, module in model.named_modules()
-        for name, spec in getattr(module, "_fczero_specs", {}).items()
-        if spec.keep_unsharded
+        for name, state in getattr(module_state(module), "params", {}).items()
+        if state.spec.keep_unsharded
     ]
 
 

@@ -51,6 +51,8 @@ from torch.distributed.tensor import DTensor
 
 from fczero.memory import budget_and_peak
 from fczero.offload import streams
+from fczero.stages import one_step_in_parts
+from fczero.state import compute_device_of, optimizer_state, options_of
 
 logger = logging.getLogger("fczero")
 
@@ -98,7 +100,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _step_device(param: torch.Tensor) -> torch.device | None:
     """Where a param whose shard lives in host memory (param offload) steps; None for
     params that are where their compute is."""
-    from fczero.stages import compute_device_of  # (stages imports fczero.offload)
 
     return compute_device_of(param)
 
@@ -316,7 +317,6 @@ class OptimizerOffload:
         """``device_bytes="auto"``, once, before the first step (see the module docstring)."""
         if not self.auto or self.summary.sizing:
             return
-        from fczero.stages import options_of  # (stages imports fczero.offload)
 
         params = [p for _, p in self._params()]
         device = _local(params[0]).device if params else torch.device("cpu")
@@ -386,7 +386,6 @@ class OptimizerOffload:
                 return self._whole_step(closure)
             with torch.enable_grad():  # params on the host: the grads first, then the chunks
                 loss = closure()
-        from fczero.stages import one_step_in_parts  # (stages imports fczero.offload)
 
         self._size_from_budget()
         opt = self.optimizer
@@ -482,7 +481,7 @@ class OptimizerOffload:
             else:
                 self.optimizer.step = self._earlier_step  # type: ignore[method-assign]
         self._planned = {}
-        handles = self.optimizer.__dict__.get("_fczero_offload", [])
+        handles = optimizer_state(self.optimizer).offload
         if self in handles:
             handles.remove(self)
 
@@ -548,11 +547,11 @@ def offload_optimizer_states(
         )
     if not isinstance(pin_memory, bool):
         raise TypeError(f"fczero: pin_memory must be True or False, got {pin_memory!r}.")
-    if any(isinstance(h, OptimizerOffload) for h in getattr(optimizer, "_fczero_offload", ())):
+    if any(isinstance(h, OptimizerOffload) for h in optimizer_state(optimizer).offload):
         raise ValueError(
             "fczero: this optimizer's states are already offloaded; call "
             "offload_optimizer_states once per optimizer (or .remove() the first handle)."
         )
     handle = OptimizerOffload(optimizer, device_bytes, pin_memory, chunk_bytes, memory_budget)
-    optimizer.__dict__.setdefault("_fczero_offload", []).append(handle)
+    optimizer_state(optimizer).offload.append(handle)
     return handle

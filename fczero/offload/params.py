@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from fczero.offload import streams
 
 if TYPE_CHECKING:
-    from fczero.sharding import ShardSpec
+    from fczero.spec import ShardSpec
 
 logger = logging.getLogger("fczero")
 
@@ -60,32 +60,6 @@ def to_host(
         nn.Parameter(moved, requires_grad=param.requires_grad),
         dataclasses.replace(spec, compute_device=device),
     )
-
-
-class _HostToDevice(torch.autograd.Function):
-    """Forward: the host shard to the device (asynchronous, from pinned memory). Backward:
-    the grad to a new pinned host buffer (a synchronous copy: autograd reads it next).
-    In eager mode a buffer that cannot be pinned is pageable, after one warning, never an
-    error mid-step; compiled graphs allocate it as one pinned ``empty`` (the op that ran
-    on the GPU), without that fallback."""
-
-    @staticmethod
-    def forward(ctx, host: torch.Tensor, device: torch.device) -> torch.Tensor:  # type: ignore[override]
-        return host.to(device, non_blocking=True)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        if torch.compiler.is_compiling():  # traced into the backward graph: a plain op
-            out = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
-        else:
-            out = streams.host_buffer(grad)  # pageable, with one warning, if pinning fails
-        out.copy_(grad)
-        return out, None
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` (a shard in host memory) on ``device``; its grad comes back pinned."""
-    return _HostToDevice.apply(host, device)
 
 
 def wait_for_device(devices: set[torch.device]) -> None:

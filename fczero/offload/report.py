@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from fczero.offload.activations import ActivationPlan
 from fczero.offload.optimizer import OptimizerOffload, OptimizerOffloadSummary
 from fczero.offload.partition import recorded_plans
-from fczero.stages import root_state
+from fczero.state import root_state
 from fczero.unsharding import report_line
 
 logger = logging.getLogger("fczero")

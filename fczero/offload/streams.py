@@ -10,6 +10,9 @@ allocator does not hand it out again before the side stream is done with it.
 Host buffers are pinned when possible; when pinning fails (locked-memory limits, no
 driver) the buffer is pageable, which still works but copies synchronously, and a
 warning says so once.
+
+``to_device`` is the one differentiable copy: a host shard to the device, its grad back
+to a pinned host buffer (parameter offload's gather starts with it).
 """
 
 from __future__ import annotations
@@ -94,3 +97,29 @@ def pending_count() -> int:
     """How many copies have not been waited for (tests and the report read it)."""
     with _lock:
         return len(_pending)
+
+
+class _HostToDevice(torch.autograd.Function):
+    """Forward: the host shard to the device (asynchronous, from pinned memory). Backward:
+    the grad to a new pinned host buffer (a synchronous copy: autograd reads it next).
+    In eager mode a buffer that cannot be pinned is pageable, after one warning, never an
+    error mid-step; compiled graphs allocate it as one pinned ``empty`` (the op that ran
+    on the GPU), without that fallback."""
+
+    @staticmethod
+    def forward(ctx, host: torch.Tensor, device: torch.device) -> torch.Tensor:  # type: ignore[override]
+        return host.to(device, non_blocking=True)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if torch.compiler.is_compiling():  # traced into the backward graph: a plain op
+            out = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        else:
+            out = host_buffer(grad)  # pageable, with one warning, if pinning fails
+        out.copy_(grad)
+        return out, None
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a shard in host memory) on ``device``; its grad comes back pinned."""
+    return _HostToDevice.apply(host, device)

@@ -118,7 +118,7 @@ def train_parallel(
 
     import fczero
     from fczero.offload.params import full_tensor
-    from fczero.sharding import mesh_device
+    from fczero.spec import mesh_device
 
     torch.manual_seed(seed)
     model = build()

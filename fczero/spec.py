@@ -1,4 +1,5 @@
-"""Sharded params and the module wiring that shows each module its unsharded param.
+"""A sharded param's layout (``ShardSpec``) and its gather: how a whole tensor is split into
+this rank's shard, and how the shards become the unsharded param again.
 
 [Note: sharded and unsharded params]
 The module owns the *sharded param*: an ``nn.Parameter`` DTensor with ``Shard(0)`` on
@@ -15,13 +16,6 @@ With HSDP or tensor parallelism the sharded param lives on a larger mesh and a
 tensor-parallel param is split from its local tensor; ``fczero.meshes`` says where
 ([Note: mesh roles]), and ``shard_tensor`` takes that as a ``ParamLayout``.
 
-[Note: module wiring]
-Each module that owns params gets a subclass of its own class (cached per class and
-names) in which every param name is a read-only property returning the unsharded
-param. ``module._parameters`` still holds the sharded param, so state dicts keep
-their keys and values, and ``torch.compile`` traces the property like any Python.
-Nothing in torch is patched.
-
 [Note: what a compiled gather reads]
 Dynamo guards every Python value the traced getter reads, per param, and an object that
 two params reach (the shared ``Options``, the root's state) costs one more guard
@@ -36,12 +30,12 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.checkpoint import (
@@ -50,21 +44,17 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from fczero import collectives, consistency, prefetch, resharding
+from fczero import collectives
 from fczero.config import Options
-from fczero.offload.params import to_device
+from fczero.offload.streams import to_device
 
 if TYPE_CHECKING:
     from fczero.meshes import ParamLayout, TensorParallelView
 
 logger = logging.getLogger("fczero")
 
-#: Attribute set on every module that fczero manages (and on the root, the options).
-MANAGED_ATTR = "_fczero_specs"
-ROOT_ATTR = "_fczero_options"
-#: Attribute set by ``fczero.stages`` on managed modules: each param's ``ParamState``.
-STATE_ATTR = "_fczero_state"
-
+#: The eager runtime's gather of one sharded param (``fczero.prefetch.eager_gather``).
+EagerGather = Callable[["ShardSpec", torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -100,15 +90,17 @@ class ShardSpec:
         dtype = self.param_dtype or param.dtype
         return math.prod(self.shape) * dtype.itemsize
 
-    def unshard(self, param: torch.Tensor) -> torch.Tensor:
+    def unshard(self, param: torch.Tensor, eager_gather: EagerGather) -> torch.Tensor:
         """Sharded param (DTensor) -> unsharded param, differentiably: a plain tensor, or
-        for a tensor-parallel param the tensor-parallel DTensor (``fczero.meshes``)."""
-        full = self._unshard_local(param)
+        for a tensor-parallel param the tensor-parallel DTensor (``fczero.meshes``).
+        ``eager_gather(spec, param)`` is the eager runtime's gather (``fczero.prefetch``),
+        used outside compiled graphs for params with rows."""
+        full = self._unshard_local(param, eager_gather)
         if self.tensor_parallel is not None:
             return self.tensor_parallel.wrap(full)
         return full
 
-    def _unshard_local(self, param: torch.Tensor) -> torch.Tensor:
+    def _unshard_local(self, param: torch.Tensor, eager_gather: EagerGather) -> torch.Tensor:
         if self.is_scalar:
             return collectives.replicate_scalar(
                 self._on_device(_local(param)),
@@ -126,12 +118,7 @@ class ShardSpec:
             return checkpoint(
                 self._gather, _local(param), use_reentrant=False, context_fn=_recompute_everything
             )
-        # Eager: the gather is issued (earlier, if prefetched) and waited here, at hand-off.
-        if prefetch.active is not None:
-            full = prefetch.active.gather(self, param, _eager_gather)
-        else:
-            full = _eager_gather(self, param)
-        return collectives.settle(full)
+        return eager_gather(self, param)
 
     def _on_device(self, local: torch.Tensor) -> torch.Tensor:
         """The shard where the collectives run (a copy from the host under param offload;
@@ -141,10 +128,7 @@ class ShardSpec:
         return to_device(local, self.compute_device)
 
     def _gather(self, local: torch.Tensor) -> torch.Tensor:
-        local = self._on_device(local)
-        pad = self.rows_per_rank - self.local_rows
-        if pad:
-            local = F.pad(local, [0, 0] * (local.dim() - 1) + [0, pad])
+        local = collectives.pad_rows(self._on_device(local), self.rows_per_rank)
         full = collectives.gather_shard(
             local,
             self.group_size,
@@ -167,20 +151,6 @@ class ShardSpec:
 def _local(param: torch.Tensor) -> torch.Tensor:
     """The local shard, linked to the sharded param by autograd (its grad is ``Shard(0)``)."""
     return param.to_local() if isinstance(param, DTensor) else param  # grad: same placements
-
-
-def _eager_gather(spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
-    """The eager gather of a sharded param."""
-    return hand_over(spec, param, spec._gather(_local(param)))
-
-
-def hand_over(spec: ShardSpec, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """An eager gather on its way to the module: noted for the collective check, and
-    (stage 3) recorded so that saving it packs a recipe (``fczero.resharding``)."""
-    consistency.note_gather(spec.shape, spec.param_dtype)
-    if not spec.keep_unsharded:
-        resharding.register_gathered(full, spec, param)
-    return full
 
 
 def _must_recompute(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -306,30 +276,3 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cpu":
         return torch.device("cpu")
     return torch.device(mesh.device_type, torch.accelerator.current_device_index())
-
-
-_WIRED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
-
-
-def _unsharded_property(name: str) -> property:
-    def get(module: nn.Module) -> torch.Tensor:
-        states = getattr(module, STATE_ATTR, None)  # fczero.stages: stages 1/2, accumulation
-        if states is not None:
-            return states[name].unshard(module._parameters[name])
-        return getattr(module, MANAGED_ATTR)[name].unshard(module._parameters[name])
-
-    return property(get, doc=f"Unsharded {name!r}, gathered by fczero on each access.")
-
-
-def wire_module(module: nn.Module, specs: dict[str, ShardSpec]) -> None:
-    """Make ``module.<name>`` return the unsharded param for every name in ``specs``."""
-    cls = type(module)
-    key = (cls, tuple(sorted(specs)))
-    wired = _WIRED_CLASSES.get(key)
-    if wired is None:
-        attrs = {name: _unsharded_property(name) for name in specs}
-        attrs["__module__"] = cls.__module__
-        wired = type(f"FCZero{cls.__name__}", (cls,), attrs)
-        _WIRED_CLASSES[key] = wired
-    module.__class__ = wired
-    setattr(module, MANAGED_ATTR, specs)

@@ -1,0 +1,238 @@
+"""The state fczero keeps per sharded param, per module and per root, and the one
+attribute (``_fczero``) through which a module, a model or an optimizer reaches it.
+
+- ``ParamState``: one sharded param: its ``ShardSpec``, its whole copy (stages 1/2), its
+  accumulated grads, its reused gather, its reduce route. Every managed param has one
+  (stage 3 too): the unsharded-param property asks it for the unsharded param, and the
+  plain case (stage 3, gradient sync on, nothing accumulated) goes to
+  ``ShardSpec.unshard`` unchanged.
+- ``ModuleState``: the ``_fczero`` attribute of every module that owns sharded params or
+  is a parallelized root: its params' states by name, and for a root its ``RootState``.
+- ``RootState``: one parallelized root (options, params in order, sync flag, the eager
+  context of its forward).
+- ``OptimizerState``: the ``_fczero`` attribute of an optimizer that holds fczero params
+  (offload handles, whether it steps in parts, the states it holds).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+from torch.utils.weak import WeakIdKeyDictionary
+
+from fczero import collectives, prefetch, resharding
+from fczero.reducer import Reducer, Route, whole_param
+from fczero.spec import _local, _recompute_everything
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fczero.config import Options
+    from fczero.spec import ShardSpec
+
+#: The one attribute fczero sets: on managed modules and roots (a ``ModuleState``) and on
+#: optimizers that hold fczero params (an ``OptimizerState``).
+ATTR = "_fczero"
+
+
+class ModuleState:
+    """A module's ``_fczero``: its sharded params' states by name; a root's ``RootState``."""
+
+    __slots__ = ("params", "root")
+
+    def __init__(self) -> None:
+        self.params: dict[str, ParamState] = {}
+        self.root: RootState | None = None
+
+
+class OptimizerState:
+    """An optimizer's ``_fczero``."""
+
+    __slots__ = ("offload", "in_parts", "params", "states")
+
+    def __init__(self) -> None:
+        self.offload: list[Any] = []  # OptimizerOffload handles (fczero.offload.optimizer)
+        self.in_parts = False  # set while it steps part of its params (one_step_in_parts)
+        # its params when last looked up, and weak references to their states
+        self.params: tuple[torch.Tensor, ...] = ()
+        self.states: list[weakref.ref] = []
+
+
+def module_state(module: nn.Module, create: bool = False) -> ModuleState | None:
+    """``module``'s ``_fczero`` (made when ``create``), else None."""
+    found = module.__dict__.get(ATTR)
+    if found is None and create:
+        found = module.__dict__[ATTR] = ModuleState()
+    return found
+
+
+def root_state(model: nn.Module) -> RootState | None:
+    """The ``RootState`` of a parallelized root (None for any other module)."""
+    found = model.__dict__.get(ATTR)
+    return found.root if isinstance(found, ModuleState) else None
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> OptimizerState:
+    """The optimizer's ``_fczero``, made on first use."""
+    found = optimizer.__dict__.get(ATTR)
+    if found is None:
+        found = optimizer.__dict__[ATTR] = OptimizerState()
+    return found
+
+
+class RootState:
+    """One parallelized root: its options, its params in order, the sync flag, and the
+    eager context of its forward (prefetch, reshard scope, reducer, collective log)."""
+
+    def __init__(self, options: Options, mesh: DeviceMesh) -> None:
+        self.options = options
+        self.mesh = mesh
+        self._sync = True
+        self.in_forward = False  # an eager forward of the root is running
+        self.params: list[ParamState] = []  # registration order, identical on every rank
+        self.reducer: Reducer | None = None
+        self.reducer_key = -1
+        # selective unsharding (``fczero.unsharding``): the plan from keep_unsharded bytes
+        # (a KeptPlan), or the automatic planner (an AutoUnsharding). Set by the layers
+        # above, which own those types.
+        self.kept: Any = None
+        self.auto_unsharding: Any = None
+        # the eager runtime of this root (set by ``parallelize``): its prefetch (an
+        # ``EagerPrefetch``), the reshard scope open during its forward, its collective log
+        self.prefetch: Any = None
+        self.scope: Any = None
+        self.eager_log: Any = None
+
+
+    @property
+    def sync(self) -> bool:
+        """Reduce grads in backward (False: accumulate, see ``fczero.accumulation``)."""
+        return self._sync
+
+    @sync.setter
+    def sync(self, value: bool) -> None:
+        self._sync = value
+        for state in self.params:  # each param reads its own copy when traced
+            state.sync = value
+
+
+class ParamState:
+    """One sharded param: its whole copy (stages 1/2) and its accumulated grads."""
+
+    def __init__(self, root: RootState, spec: ShardSpec, param: nn.Parameter) -> None:
+        self.root = root
+        self.spec = spec
+        self.param = param
+        self.sync = root.sync  # the root's flag ([Note: what a compiled gather reads])
+        self.whole: torch.Tensor | None = None  # stages 1/2 (not 0-d): the kept whole copy
+        self.acc: torch.Tensor | None = None  # leaf whose .grad accumulates while unsynced
+        self.route: Route | None = None
+        # a kept param's gather, reused by the micro-batches of one accumulation, and the
+        # sharded param's version counter when gathered (-1: gathered in a compiled graph)
+        self.reused: torch.Tensor | None = None
+        self.reused_version = -1
+
+    def unshard(self, param: torch.Tensor) -> torch.Tensor:
+        """The unsharded param a module computes with (called on every access)."""
+        spec = self.spec
+        grad_path = param.requires_grad and torch.is_grad_enabled()
+        accumulating = grad_path and not self.sync
+        pending = None
+        if grad_path and self.sync and self.acc is not None:
+            # The first synced use after accumulating: its backward adds what no_sync summed.
+            pending, self.acc = self.acc.grad, None
+        if self.whole is None and not accumulating and pending is None:
+            # only kept params ever hold a reused gather: the others skip the attribute
+            # (under compile each read would be one more guard, each write a side effect)
+            if spec.keep_unsharded and self.reused is not None:
+                self.reused = None
+            return spec.unshard(param, prefetch.eager_gather)
+        if self.whole is not None:
+            if not grad_path:
+                return self.whole
+            whole = self.whole
+        else:
+            whole = self._gather_without_grad(param)
+            if pending is not None and spec.keep_unsharded:
+                self.reused = None  # the accumulation's last micro-batch: the step follows
+        route, reducer = self.route, self.root.reducer
+        eager_stage1 = reducer is not None and route.index >= 0
+        if eager_stage1 and not accumulating and not collectives._tracing():
+            reducer.expect(route.index)  # one more grad for its bucket to wait for
+        local = self.spec._on_device(_local(param))  # (param offload: from the host)
+        return whole_param(local, whole, self.acc if accumulating else None, pending, route)
+
+    def _gather_without_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """Stage 3 (or a 0-d param) while accumulating: the whole param, without the reduce
+        that the core gather's backward would issue."""
+        spec = self.spec
+        local = _local(param).detach()
+        if spec.is_scalar:
+            return collectives._to(spec._on_device(local), spec.param_dtype)
+        if spec.keep_unsharded:
+            return self._reuse_or_gather(local, param)
+        if torch.compiler.is_compiling():
+            return checkpoint(
+                spec._gather, local, use_reentrant=False, context_fn=_recompute_everything
+            )
+        full = spec._gather(local)
+        resharding.register_gathered(full, spec, param)  # saved views regather in backward
+        return full
+
+    def _reuse_or_gather(self, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """Selective unsharding while accumulating: the first micro-batch's gather serves
+        every later one, up to the synced micro-batch, which drops it. Eager also gathers
+        again when the sharded param changed in between (its version counter moved: the
+        DTensor's own, since in-place ops on a DTensor leave its local tensor's counter
+        alone); a compiled graph cannot read the counter and relies on the drop alone.
+        Under compile the first micro-batch's graph returns the gather (stored here) and
+        the later ones take it as an input."""
+        compiling = torch.compiler.is_compiling()
+        version = -1 if compiling else param._version
+        if self.reused is not None and (compiling or self.reused_version == version):
+            return self.reused
+        full = self.spec._gather(local)
+        self.reused, self.reused_version = full, version
+        return full
+
+    def new_accumulator(self) -> None:
+        """A leaf whose ``.grad`` collects this param's whole grads (reduce_dtype); the leaf
+        itself is one element broadcast to the whole shape."""
+        if self.acc is not None or not self.param.requires_grad:
+            return
+        route = self.route
+        device = self.spec.compute_device or self.param.device  # (param offload: the device's)
+        one = torch.zeros((), dtype=route.reduce_dtype, device=device)
+        self.acc = one.expand(self.spec.shape).detach().requires_grad_(True)
+
+
+#: Sharded param -> weak reference to its state (for the optimizer hooks). Both weak: the
+#: model alone keeps its states (and so its params) alive.
+_STATES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def remember(state: ParamState) -> None:
+    _STATES[state.param] = weakref.ref(state)
+
+
+def state_of(param: torch.Tensor) -> ParamState | None:
+    """The state of sharded ``param`` (None: not a param fczero sharded, or its model is gone)."""
+    ref = _STATES.get(param)
+    return ref() if ref is not None else None
+
+
+def options_of(param: torch.Tensor) -> Options | None:
+    """The ``parallelize`` options of the model that owns sharded ``param`` (else None)."""
+    state = state_of(param)
+    return state.root.options if state is not None else None
+
+
+def compute_device_of(param: torch.Tensor) -> torch.device | None:
+    """The device a param-offloaded sharded ``param`` is gathered to (None: its shard is
+    where its compute is, or it is not fczero's)."""
+    state = state_of(param)
+    return state.spec.compute_device if state is not None else None
