@@ -24,6 +24,8 @@ its grad is all-reduced instead (``replicate_scalar``).
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+
 import torch
 import torch.nn.functional as F
 import torch.distributed as dist
@@ -96,6 +98,24 @@ def wait_on(t: torch.Tensor) -> torch.Tensor:
     if not _tracing():
         _c10d.wait_tensor(t.detach())
     return t
+
+
+def plan_buckets(items: Sequence[tuple[Hashable | None, int]], cap: int) -> list[list[int]]:
+    """The one eager bucket planner: ``items`` are (key, bytes) in issue order; consecutive
+    items with equal keys share a bucket while its bytes stay within ``cap`` (an item larger
+    than ``cap`` gets a bucket of its own); a ``None`` key never shares. Returns every
+    position, in order, cut into buckets. Every rank plans from the same items, so every
+    rank issues the same collectives."""
+    buckets: list[list[int]] = []
+    key, size = None, 0
+    for i, (this_key, nbytes) in enumerate(items):
+        if buckets and this_key is not None and this_key == key and size + nbytes <= cap:
+            buckets[-1].append(i)
+            size += nbytes
+        else:
+            buckets.append([i])
+            key, size = this_key, nbytes
+    return buckets
 
 
 def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:

@@ -81,22 +81,14 @@ def bucket_key(spec: ShardSpec, param: torch.Tensor) -> tuple:
 def plan(entries: list[tuple[ShardSpec, torch.Tensor, bool]], bucket_bytes: int) -> list[list[int]]:
     """Buckets (lists of positions in ``entries``, the recorded gather order) of two or
     more consecutive gathers; positions in no bucket are gathered on their own."""
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    key, size = None, 0
-    for i, (spec, param, in_place) in enumerate(entries):
-        ok = not in_place and can_bucket(spec)
-        nbytes = spec.unsharded_bytes(param)
-        this_key = bucket_key(spec, param) if ok else None
-        if current and (not ok or this_key != key or size + nbytes > bucket_bytes):
-            buckets.append(current)
-            current, size = [], 0
-        if ok:
-            current.append(i)
-            key, size = this_key, size + nbytes
-    if current:
-        buckets.append(current)
-    return [b for b in buckets if len(b) > 1]
+    items = [
+        (
+            bucket_key(spec, param) if not in_place and can_bucket(spec) else None,
+            spec.unsharded_bytes(param),
+        )
+        for spec, param, in_place in entries
+    ]
+    return [b for b in collectives.plan_buckets(items, bucket_bytes) if len(b) > 1]
 
 
 def _gather_flat(

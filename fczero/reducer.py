@@ -214,20 +214,9 @@ def _add_grad(param: DTensor, local_grad: torch.Tensor) -> None:
 def _plan(params: list[tuple[DTensor, Route, torch.Size]], bucket_bytes: int) -> list[list[int]]:
     """Slots in reverse registration order, cut into buckets of at most ``bucket_bytes``
     (a param larger than the cap gets a bucket of its own); dtypes never mix."""
-    buckets: list[list[int]] = []
-    size = 0
-    for i in reversed(range(len(params))):
-        _, route, shape = params[i]
-        nbytes = shape.numel() * route.reduce_dtype.itemsize
-        last = params[buckets[-1][0]][1] if buckets else None
-        if (
-            last is not None
-            and last.reduce_dtype == route.reduce_dtype
-            and size + nbytes <= bucket_bytes
-        ):
-            buckets[-1].append(i)
-            size += nbytes
-        else:
-            buckets.append([i])
-            size = nbytes
-    return buckets
+    order = list(reversed(range(len(params))))
+    items = [
+        (params[i][1].reduce_dtype, params[i][2].numel() * params[i][1].reduce_dtype.itemsize)
+        for i in order
+    ]
+    return [[order[j] for j in bucket] for bucket in collectives.plan_buckets(items, bucket_bytes)]

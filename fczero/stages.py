@@ -130,17 +130,9 @@ def refresh(states: list[ParamState]) -> None:
     states = [s for s in states if s.whole is not None and math.prod(s.spec.shape) > 0]
     if not states:
         return
-    cap = states[0].root.options.comm.bucket_bytes
-    bucket: list[ParamState] = []
-    size = 0
-    for state in states:
-        nbytes = state.whole.numel() * state.whole.element_size()
-        if bucket and (state.whole.dtype != bucket[0].whole.dtype or size + nbytes > cap):
-            _gather_into_wholes(bucket)
-            bucket, size = [], 0
-        bucket.append(state)
-        size += nbytes
-    _gather_into_wholes(bucket)
+    items = [(s.whole.dtype, s.whole.numel() * s.whole.element_size()) for s in states]
+    for bucket in collectives.plan_buckets(items, states[0].root.options.comm.bucket_bytes):
+        _gather_into_wholes([states[i] for i in bucket])
 
 
 @torch.no_grad()

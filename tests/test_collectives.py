@@ -39,3 +39,10 @@ def test_gather_then_averaged_reduce_on_two_ranks():
         # mean over ranks of the weights (10 and 20), this rank's rows of it
         assert torch.equal(grad, torch.full((2, 3), 15.0))
         assert waited.tolist() == [0, 1]
+
+
+def test_one_planner_cuts_consecutive_equal_keys_within_the_cap():
+    items = [("a", 4), ("a", 4), ("a", 4), ("b", 1), (None, 1), ("b", 1), ("b", 10), ("b", 1)]
+    assert collectives.plan_buckets(items, 8) == [[0, 1], [2], [3], [4], [5], [6], [7]]
+    assert collectives.plan_buckets(items, 100) == [[0, 1, 2], [3], [4], [5, 6, 7]]
+    assert collectives.plan_buckets([], 8) == []
