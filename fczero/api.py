@@ -20,6 +20,7 @@ from fczero import prefetch as eager_prefetch
 from fczero import config
 from fczero.config import Options
 from fczero.meshes import MeshLayout, resolve_mesh
+from fczero.offload import host_memory
 from fczero.offload import params as param_offload
 from fczero.offload import partition as offload_partition
 from fczero.passes import registry
@@ -173,6 +174,8 @@ def parallelize(
             "materialize it first (model.to_empty(device=...) and initialize it)."
         )
 
+    if options.offload.params:  # refused before any param is sharded if the host lacks room
+        host_memory.check_param_offload(params, dp_mesh, mesh_device(dp_mesh))
     specs_by_param: dict[int, tuple[nn.Parameter, ShardSpec]] = {}
     if meta_plan is not None:
         specs_by_param = meta_device_init.init_and_shard(meta_plan, dp_mesh, options)

@@ -38,6 +38,7 @@ from torch.optim.optimizer import (
 )
 
 from fczero import accumulation, collectives, guards, local_step
+from fczero.offload import host_memory
 from fczero.offload import params as param_offload
 from fczero.reducer import REDUCERS, Reducer, Route
 from fczero.spec import mesh_device
@@ -209,6 +210,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
     accumulation.check_before_step(states)
     devices = {s.spec.compute_device for s in states} - {None}
     if devices:
+        host_memory.check_host_step(optimizer, [s.param for s in states if s.spec.compute_device])
         param_offload.wait_for_device(devices)
     local_step.enter(optimizer, [s.param for s in states])
 

@@ -52,11 +52,12 @@ class ModuleState:
 class OptimizerState:
     """An optimizer's ``_fczero``."""
 
-    __slots__ = ("offload", "in_parts", "params", "states")
+    __slots__ = ("offload", "in_parts", "host_step_checked", "params", "states")
 
     def __init__(self) -> None:
         self.offload: list[Any] = []  # OptimizerOffload handles (fczero.offload.optimizer)
         self.in_parts = False  # set while it steps part of its params (one_step_in_parts)
+        self.host_step_checked = False  # host memory checked for its host step (param offload)
         # its params when last looked up, and weak references to their states
         self.params: tuple[torch.Tensor, ...] = ()
         self.states: list[weakref.ref] = []

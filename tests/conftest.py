@@ -30,7 +30,7 @@ def fake_pg(request):
 
 @pytest.fixture
 def no_pinned_memory(monkeypatch):
-    """As if on a CUDA machine where every pinned allocation fails (locked-memory limit);
+    """As if on a CUDA machine where every pinned allocation fails (no host memory to back it);
     fczero's once-per-process warnings are reset so the test sees its own."""
     from fczero.offload import streams
 

@@ -50,7 +50,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fczero.memory import budget_and_peak
-from fczero.offload import streams
+from fczero.offload import host_memory, streams
 from fczero.stages import one_step_in_parts
 from fczero.state import compute_device_of, optimizer_state, options_of
 
@@ -552,6 +552,8 @@ def offload_optimizer_states(
             "fczero: this optimizer's states are already offloaded; call "
             "offload_optimizer_states once per optimizer (or .remove() the first handle)."
         )
+    kept = 0 if device_bytes == "auto" else device_bytes  # (auto: decided at the first step)
+    host_memory.check_optimizer_states(optimizer, kept, pin_memory, _step_device)
     handle = OptimizerOffload(optimizer, device_bytes, pin_memory, chunk_bytes, memory_budget)
     optimizer_state(optimizer).offload.append(handle)
     return handle

@@ -7,8 +7,8 @@ under the destination's data pointer until the matching wait consumes it. Memory
 that a copy reads or writes is marked with ``record_stream`` so that the caching
 allocator does not hand it out again before the side stream is done with it.
 
-Host buffers are pinned when possible; when pinning fails (locked-memory limits, no
-driver) the buffer is pageable, which still works but copies synchronously, and a
+Host buffers are pinned when possible; when pinning fails (host memory that cannot back it,
+no driver) the buffer is pageable, which still works but copies synchronously, and a
 warning says so once.
 
 ``to_device`` is the one differentiable copy: a host shard to the device, its grad back
@@ -73,8 +73,8 @@ def host_buffer(like: torch.Tensor, pin: bool = True) -> torch.Tensor:
                 "pinned",
                 "fczero: pinned host memory could not be allocated "
                 f"({str(err).splitlines()[0]}); offloaded tensors use pageable memory, "
-                "whose copies do not overlap with compute. Raise the locked-memory limit "
-                "(ulimit -l) or free host memory to get overlap back.",
+                "whose copies do not overlap with compute. Free host memory (pinned pages "
+                "must fit in physical memory) to get overlap back.",
             )
     return torch.empty(like.shape, dtype=like.dtype)
 
