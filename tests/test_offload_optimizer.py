@@ -177,6 +177,31 @@ def test_auto_device_bytes_without_a_budget_or_peak_offloads_everything(caplog):
     assert handle3.summary.kept == []
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 256])
+def test_a_budget_below_the_peak_without_states_names_the_minimum(monkeypatch, chunk_bytes):
+    """Offloading every state cannot bring forward and backward (injected peak) within the
+    budget: the first step raises before anything is stepped, naming the peak."""
+    from fczero import memory
+
+    monkeypatch.setattr(memory, "peak_allocated", lambda device: 10**6)
+    torch.manual_seed(0)
+    model = UnevenTiedMLP()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    handle = fczero.offload_optimizer_states(
+        opt, device_bytes="auto", memory_budget=10**6 - 1, chunk_bytes=chunk_bytes
+    )
+    with pytest.raises(ValueError) as err:
+        _train(model, opt, 1)
+    assert str(err.value).startswith(
+        "fczero: memory_budget=999999 bytes (1.0 MiB) is below what forward and backward "
+        "took before the first step with no optimizer state on the device: 1000000 bytes "
+        "(1.0 MiB), the minimum. Raise memory_budget to 1000000 or more"
+    )
+    assert not opt.state and handle.summary.sizing == ""
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
 def test_auto_device_bytes_takes_the_parallelized_models_budget(fake_pg, monkeypatch):
     """One budget: without its own, the offload plans within parallelize's memory_budget."""
     from torch.distributed.device_mesh import init_device_mesh

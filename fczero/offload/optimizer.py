@@ -330,7 +330,16 @@ class OptimizerOffload:
             self.summary.sizing = f"auto: {measured} on {device.type}, every state offloaded"
         else:
             budget, peak = measured
-            self.device_bytes = max(0, budget - peak)
+            if peak > budget:  # even with every state offloaded
+                raise ValueError(
+                    f"fczero: memory_budget={budget} bytes ({budget / 2**20:.1f} MiB) is below "
+                    f"what forward and backward took before the first step with no optimizer "
+                    f"state on the device: {peak} bytes ({peak / 2**20:.1f} MiB), the minimum. "
+                    f"Raise memory_budget to {peak} or more, offload every state without a "
+                    "budget (device_bytes=0), or take less for activations (activation_offload, "
+                    "a smaller micro-batch). Nothing was stepped."
+                )
+            self.device_bytes = budget - peak
             self.summary.sizing = (
                 f"auto: memory_budget {budget / 2**20:.1f} MiB - peak before the first step "
                 f"{peak / 2**20:.1f} MiB = {self.device_bytes / 2**20:.1f} MiB of states kept"
