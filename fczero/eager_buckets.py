@@ -6,7 +6,7 @@ from its second step on it has the order in which its params are gathered
 (``fczero.prefetch``), the same on every rank. ``plan`` cuts that order into buckets:
 runs of consecutive gathers of up to ``bucket_bytes`` unsharded bytes (at least one
 gather each) whose params share a process group and a gathered dtype. A 0-d param, a
-tensor-parallel one, one in host memory (``offload_params``) and any gather inside a
+tensor-parallel one, one in host memory (``OffloadPolicy(params=True)``) and any gather inside a
 selective-checkpointing region stay on their own.
 
 When the prefetcher reaches a bucket it issues it whole, through ``gather_bucket``:

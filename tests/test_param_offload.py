@@ -41,11 +41,11 @@ def test_on_a_cpu_mesh_the_shards_stay_and_it_says_so(fake_pg, caplog):
 def test_grads_go_to_pageable_memory_with_one_warning_when_pinning_fails(no_pinned_memory):
     """Pinned memory that cannot be had mid-backward is no crash: the grad's host buffer is
     pageable, and a warning says so once."""
-    from fczero.offload import params as param_offload
+    from fczero.offload import streams
 
     grads = [torch.randn(3, 4), torch.randn(5)]
     with pytest.warns(RuntimeWarning, match="pageable memory") as record:
-        outs = [param_offload._HostToDevice.backward(None, g)[0] for g in grads]
+        outs = [streams._HostToDevice.backward(None, g)[0] for g in grads]
     assert all(torch.equal(o, g) and o is not g for o, g in zip(outs, grads))
     assert len([w for w in record if "pageable" in str(w.message)]) == 1
 

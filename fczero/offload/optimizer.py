@@ -19,7 +19,7 @@ the same as one whole step for optimizers whose update is per parameter (all of
 gradient-norm in the optimizer itself). A ``closure`` disables chunking for that call
 (with params in host memory, see below, it is evaluated first and the chunks step after).
 
-With parameter offload (``parallelize(..., offload_params=True)``) the params and grads
+With parameter offload (``OffloadPolicy(params=True)``) the params and grads
 are in host memory too, and without this function the optimizer steps there, on the
 CPU. With it, the step runs on the device instead: each chunk's param shards, grads and
 states are copied in (the next chunk's while this one steps), the chunk steps on the
@@ -374,7 +374,7 @@ class OptimizerOffload:
         return chunks
 
     # [Note: the device step]
-    # Under param offload (``offload_params=True``) a param's shard, its grad and its
+    # Under param offload (``OffloadPolicy(params=True)``) a param's shard, its grad and its
     # states all live in pinned host memory. Stepping there is what FSDP2's
     # CPUOffloadPolicy does; the step then runs at the host's speed. Here each chunk is
     # instead copied to the device on the side stream while the chunk before it steps:

@@ -1,7 +1,7 @@
 """Parameter offload: sharded params (and their grads) live in host memory between uses.
 
 [Note: parameter offload]
-With ``parallelize(..., offload_params=True)`` each rank's shard of every param is a
+With ``parallelize(..., offload_policy=OffloadPolicy(params=True))`` each rank's shard of every param is a
 DTensor whose local tensor sits in pinned host memory, on the same device mesh as
 before (the mesh's device type says where the collectives run, the local tensor says
 where the shard lives). Nothing else changes in how a param is used:

@@ -131,7 +131,7 @@ def train_parallel(
         from fczero.testing.backends import BACKENDS
 
         step_fn = torch.compile(model, backend=BACKENDS.get(compile_backend, compile_backend))
-    device = mesh_device(mesh)  # (not the params': with offload_params they are on the host)
+    device = mesh_device(mesh)  # (not the params': with param offload they are on the host)
     data_rank, data_size = rank, world_size
     if data_axes is not None:
         data_rank, data_size = 0, 1
