@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import fczero
 from fczero import checkpoint
 from fczero.data import VOCAB_SIZE, WindowSampler, encode, load_corpus
+from fczero.meshes import check_device_available, cuda_unavailable_reason
 from fczero.models import Llama, LlamaConfig
 
 __all__ = ["build_parser", "main", "train"]
@@ -186,7 +187,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA GPU is visible here; use --device cpu")
+        parser.error(
+            f"--device cuda: {cuda_unavailable_reason()}; use --device cpu (gloo), or run on "
+            "a machine with a GPU and a CUDA build of torch"
+        )
     if args.nproc is None:
         args.nproc = torch.cuda.device_count() if args.device == "cuda" else 2
     for name in (
@@ -266,6 +270,7 @@ def _launch(nproc: int, argv: list[str]) -> int:
 def _init_distributed(device_type: str, replicate: int = 1) -> tuple[DeviceMesh, torch.device]:
     """NCCL on this local rank's GPU (``device_type`` "cuda"), else gloo on the CPU. With
     ``replicate`` > 1 the mesh is (replicate, shard): consecutive ranks (a node) shard."""
+    check_device_available(device_type)  # before torch.cuda.set_device's own error
     world_size = int(os.environ["WORLD_SIZE"])
     if device_type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))

@@ -63,12 +63,22 @@ def test_cli_rejects_bad_flags_before_launching(capsys):
     assert "divisible" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_cli_cuda_without_a_gpu_says_to_use_cpu(capsys):
+def test_cli_cuda_without_a_gpu_says_to_use_cpu(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as excinfo:
         train.main(["--device", "cuda"])
     assert excinfo.value.code == 2
-    assert "no CUDA GPU is visible here; use --device cpu" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--device cuda: " in err and "; use --device cpu (gloo), or run on a machine" in err
+
+
+def test_cuda_without_cuda_fails_before_torch_does(monkeypatch):
+    """train() called directly (not through the CLI's checks): fczero's message, not torch's
+    "module 'torch._C' has no attribute '_cuda_setDevice'"."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("reached torch"))
+    with pytest.raises(ValueError, match=r'a "cuda" mesh needs CUDA, .* init_device_mesh\("cpu"'):
+        train._init_distributed("cuda")
 
 
 def test_lr_schedule_warms_up_then_decays():
