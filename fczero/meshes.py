@@ -35,7 +35,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["MeshLayout", "ParamLayout", "TensorParallelView", "resolve_mesh"]
+__all__ = [
+    "MeshLayout",
+    "ParamLayout",
+    "TensorParallelView",
+    "check_device_available",
+    "cuda_unavailable_reason",
+    "resolve_mesh",
+]
 
 
 @dataclass(frozen=True)
@@ -162,6 +169,7 @@ def resolve_mesh(
             "torch.distributed.device_mesh.init_device_mesh('cuda', (world_size,)); "
             f"got {type(mesh).__name__}."
         )
+    check_device_available(mesh.device_type)
     names = mesh.mesh_dim_names
     if replicate_axis is not None:
         if mesh.ndim < 2:
@@ -195,6 +203,30 @@ def resolve_mesh(
             "replicate over another (HSDP), e.g. axis='shard', replicate_axis='replicate'."
         )
     return MeshLayout(mesh, axis, replicate_axis)
+
+
+def check_device_available(device_type: str) -> None:
+    """Raise a clear error for a "cuda" mesh on a machine where CUDA is not available.
+
+    ``init_device_mesh("cuda", ...)`` on a CPU-only build of torch fails inside
+    ``torch.cuda.set_device`` with ``module 'torch._C' has no attribute
+    '_cuda_setDevice'``, which names neither the cause nor the fix. ``parallelize``
+    (through ``resolve_mesh``) and the main job check first and say what to do.
+    """
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f'fczero: a "cuda" mesh needs CUDA, and {cuda_unavailable_reason()}. To train '
+            'on the CPU, use gloo and a CPU mesh: dist.init_process_group("gloo") and '
+            'init_device_mesh("cpu", (world_size,)). To train on GPUs, run on a machine '
+            "with a GPU and a CUDA build of torch."
+        )
+
+
+def cuda_unavailable_reason() -> str:
+    """Why ``torch.cuda.is_available()`` is False here, in words."""
+    if torch.version.cuda is None:
+        return "this torch is a CPU-only build (torch.version.cuda is None)"
+    return "no CUDA GPU is visible to this torch (check the driver and CUDA_VISIBLE_DEVICES)"
 
 
 def _axis_name(mesh: DeviceMesh, axis: str | int, what: str) -> str:

@@ -10,9 +10,11 @@ Run without a torchrun environment (no ``RANK`` / ``WORLD_SIZE``), it relaunches
 itself on ``--nproc`` local processes through ``torch.distributed.run``; under
 torchrun it trains. Each rank builds the same model from ``--seed``, shards it with
 ``fczero.parallelize``, builds AdamW over the sharded params, and trains on its own
-random windows of the corpus (``fczero.data``). Rank 0 prints one line every
-``--log-every`` steps (loss averaged over the window and the ranks, global tokens/s,
-peak memory) and a one-line summary at the end.
+random windows of the corpus (``fczero.data``).
+
+Rank 0 prints a header, a line saying what the numbers are, the first step's line (its
+wall time, compilation included), a line every ``--log-every`` steps and a summary;
+``_LEGEND`` (the end of ``--help``) says exactly what each number is averaged over.
 
 ``--save DIR`` writes a checkpoint (``fczero.checkpoint``: model, optimizer, LR
 schedule, step) every ``--save-every`` steps and at the end; ``--resume DIR`` loads
@@ -24,6 +26,7 @@ reproduces the uninterrupted run's losses.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -31,7 +34,7 @@ import resource
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -43,12 +46,27 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import fczero
 from fczero import checkpoint
 from fczero.data import VOCAB_SIZE, WindowSampler, encode, load_corpus
+from fczero.meshes import check_device_available, cuda_unavailable_reason
 from fczero.models import Llama, LlamaConfig
 
 __all__ = ["build_parser", "main", "train"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+_LEGEND = (
+    "What the numbers are. The first step has a line of its own: its loss, and its wall time, "
+    "which includes compilation (--compile) and first-step warm-up; no tok/s counts it. Every "
+    "--log-every steps a line gives the loss averaged over the steps named beside it (the "
+    "window of --log-every steps ending there; fewer in a last or a resumed run's first "
+    "window) and over all ranks, and tok/s: the tokens of all ranks per second over the steps "
+    "named beside it. The summary's tok/s is over steps 2..N: their tokens over their wall "
+    "time. Time spent writing checkpoints is left out of every time."
+)
+_LEGEND_LINE = (  # the log's short form of _LEGEND
+    "numbers: loss = mean over the steps in brackets and all ranks; tok/s = tokens of all "
+    "ranks per second over the steps in brackets; the first step's time includes "
+    "compilation and warm-up, and no tok/s counts it"
+)
 
 
 @dataclass
@@ -61,14 +79,19 @@ class Summary:
     compiled: bool
     params: int
     first_loss: float
+    """The first step's loss, averaged over the ranks."""
     last_loss: float
+    """The last window's loss, averaged over its steps and the ranks."""
+    first_step_s: float
+    """Wall time of the run's first step (step 1, or the first after ``--resume``):
+    compilation with ``--compile``, and first-step warm-up."""
     tokens_per_s: float
-    """Global tokens per second, mean over steps 2..N (step 1 warms up or compiles)."""
+    """Global tokens per second over steps 2..N: their tokens over their wall time."""
     peak_memory_mib: float
     peak_memory_kind: str
     wall_s: float
     losses: list[tuple[int, float]] = field(default_factory=list)
-    """(step, loss) at every logged step."""
+    """(step, loss) of every logged line: the first step's own, then each window's mean."""
     args: dict[str, object] = field(default_factory=dict)
 
 
@@ -77,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m fczero.train",
         description="Train a small Llama on fczero's shipped corpus with ZeRO-3 sharding.",
+        epilog=_LEGEND,
     )
     run = p.add_argument_group("run")
     run.add_argument("--steps", type=int, default=150, help="optimizer steps (%(default)s)")
@@ -151,7 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     out = p.add_argument_group("output")
     out.add_argument(
-        "--log-every", type=int, default=10, help="print a line every N steps (%(default)s)"
+        "--log-every",
+        type=int,
+        default=10,
+        metavar="N",
+        help="print a line every N steps, with the loss averaged over those N steps and all "
+        "ranks (%(default)s)",
     )
     out.add_argument("--json", metavar="PATH", default=None, help="write the summary here (rank 0)")
     ckpt = p.add_argument_group("checkpoints")
@@ -186,7 +215,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA GPU is visible here; use --device cpu")
+        parser.error(
+            f"--device cuda: {cuda_unavailable_reason()}; use --device cpu (gloo), or run on "
+            "a machine with a GPU and a CUDA build of torch"
+        )
     if args.nproc is None:
         args.nproc = torch.cuda.device_count() if args.device == "cuda" else 2
     for name in (
@@ -266,6 +298,7 @@ def _launch(nproc: int, argv: list[str]) -> int:
 def _init_distributed(device_type: str, replicate: int = 1) -> tuple[DeviceMesh, torch.device]:
     """NCCL on this local rank's GPU (``device_type`` "cuda"), else gloo on the CPU. With
     ``replicate`` > 1 the mesh is (replicate, shard): consecutive ranks (a node) shard."""
+    check_device_available(device_type)  # before torch.cuda.set_device's own error
     world_size = int(os.environ["WORLD_SIZE"])
     if device_type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -345,13 +378,41 @@ class _LossMeter:
         self.total += loss.detach()
         self.steps += 1
 
-    def mean(self, world_size: int) -> float:
-        """Mean loss since the last call over all ranks (a collective: every rank calls it)."""
-        dist.all_reduce(self.total)
-        value = self.total.item() / (self.steps * world_size)
-        self.total.zero_()
-        self.steps = 0
+    def mean(self, world_size: int, reset: bool = True) -> float:
+        """Mean loss since the last reset over its steps and all ranks (a collective: every
+        rank calls it); ``reset=False`` leaves the window open."""
+        total = self.total.clone()
+        dist.all_reduce(total)
+        value = total.item() / (self.steps * world_size)
+        if reset:
+            self.total.zero_()
+            self.steps = 0
         return value
+
+
+class _StepClock:
+    """Wall time between laps, leaving out what runs inside ``paused()`` (checkpoint writes)."""
+
+    _now = staticmethod(time.perf_counter)
+
+    def __init__(self) -> None:
+        self.mark = self._now()
+        self.left_out = 0.0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        start = self._now()
+        try:
+            yield
+        finally:
+            self.left_out += self._now() - start
+
+    def lap(self) -> float:
+        """Seconds since the last lap (or since creation), less the paused time."""
+        now = self._now()
+        elapsed = now - self.mark - self.left_out
+        self.mark, self.left_out = now, 0.0
+        return elapsed
 
 
 def _sync(device: torch.device) -> None:
@@ -417,8 +478,13 @@ def _train_loop(
 
     losses: list[tuple[int, float]] = []
     meter = _LossMeter(device)
-    window_start, warm_start = time.perf_counter(), None
-    for step in range(start_step + 1, args.steps + 1):
+    first = start_step + 1
+    loss_from = timed_from = first  # first step of the open loss window and tok/s window
+    first_step_s = timed_s = 0.0
+    if is_main:
+        print(_LEGEND_LINE, flush=True)
+    clock = _StepClock()
+    for step in range(first, args.steps + 1):
         loss = _next_token_loss(forward, sampler.next_batch())
         loss.backward()
         optimizer.step()
@@ -426,23 +492,37 @@ def _train_loop(
         scheduler.step()
         meter.add(loss)
         if args.save and (step == args.steps or (args.save_every and step % args.save_every == 0)):
-            _save(args, model, optimizer, scheduler, step)
+            with clock.paused():
+                _save(args, model, optimizer, scheduler, step)
         if step == args.crash_at_step and rank == world - 1:
             os.kill(os.getpid(), signal.SIGKILL)  # see --crash-at-step
-        if step == start_step + 1 or step % args.log_every == 0 or step == args.steps:
-            window_steps = meter.steps
-            mean_loss = meter.mean(world)
-            _sync(device)
-            now = time.perf_counter()
-            losses.append((step, mean_loss))
-            if is_main:
-                tok_s = tokens_per_step * window_steps / (now - window_start)
-                mem, kind = _peak_memory(device)
-                print(_step_line(step, args.steps, mean_loss, tok_s, mem, kind), flush=True)
-            if step == start_step + 1:
-                warm_start = now
-            window_start = time.perf_counter()
-    _sync(device)
+        ends_window = step % args.log_every == 0 or step == args.steps
+        if step != first and not ends_window:
+            continue
+        # the first step's line shows that step's loss and leaves its window open
+        mean_loss = meter.mean(world, reset=ends_window)
+        _sync(device)
+        elapsed = clock.lap()
+        losses.append((step, mean_loss))
+        if step == first:
+            first_step_s = elapsed
+        else:
+            timed_s += elapsed
+        if is_main:
+            mem, kind = _peak_memory(device)
+            if step == first:
+                timing = f"first step {elapsed:.2f} s, compilation and warm-up included"
+            else:
+                tok_s = tokens_per_step * (step - timed_from + 1) / elapsed
+                timing = f"{tok_s:>9,.0f} tok/s ({_steps(timed_from, step)})"
+            print(
+                f"step {step:>{len(str(args.steps))}}/{args.steps} | loss {mean_loss:.4f} "
+                f"({_steps(loss_from, step)}, {world} ranks) | {timing} | {kind} {mem:,.0f} MiB (rank 0)",
+                flush=True,
+            )
+        timed_from = step + 1
+        if ends_window:
+            loss_from = step + 1
     end = time.perf_counter()
 
     mem, kind = _peak_memory(device)
@@ -455,7 +535,8 @@ def _train_loop(
         params=n_params,
         first_loss=losses[0][1],
         last_loss=losses[-1][1],
-        tokens_per_s=tokens_per_step * warm_steps / (end - warm_start) if warm_steps else 0.0,
+        first_step_s=first_step_s,
+        tokens_per_s=tokens_per_step * warm_steps / timed_s if warm_steps else 0.0,
         peak_memory_mib=mem,
         peak_memory_kind=kind,
         wall_s=end - start,
@@ -538,18 +619,21 @@ def _header(
     )
 
 
-def _step_line(step: int, steps: int, loss: float, tok_s: float, mem: float, kind: str) -> str:
-    width = len(str(steps))
-    return (
-        f"step {step:>{width}}/{steps} | loss {loss:.4f} | {tok_s:>9,.0f} tok/s | "
-        f"{kind} {mem:,.0f} MiB (rank 0)"
-    )
+def _steps(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}-{last}"
 
 
 def _summary_line(s: Summary) -> str:
+    first = s.losses[0][0]  # the run's first step (after --resume: not step 1)
+    throughput = (
+        f"{s.tokens_per_s:,.0f} tok/s ({_steps(first + 1, s.steps)})"
+        if s.steps > first
+        else "no tok/s (one step only)"
+    )
     return (
         f"done: {s.steps} steps | loss {s.first_loss:.4f} -> {s.last_loss:.4f} | "
-        f"{s.tokens_per_s:,.0f} tok/s mean | {s.peak_memory_kind} {s.peak_memory_mib:,.0f} MiB "
+        f"{throughput} | first step {s.first_step_s:.2f} s | "
+        f"{s.peak_memory_kind} {s.peak_memory_mib:,.0f} MiB "
         f"(rank 0) | wall {s.wall_s:.1f} s"
     )
 

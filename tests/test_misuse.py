@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import fczero
@@ -62,6 +62,17 @@ def test_mesh_larger_than_the_world(fake_pg):
     # torch itself refuses a mesh of more ranks than the process group has
     with pytest.raises(RuntimeError, match=r"Mesh should not be bigger than default world size"):
         init_device_mesh("cpu", (4,))
+
+
+def test_cuda_mesh_without_cuda(fake_pg, monkeypatch):
+    # init_device_mesh("cuda", ...) itself fails first on a CPU-only torch, with torch's
+    # "no attribute '_cuda_setDevice'"; a cuda mesh built without its backend reaches here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    mesh = DeviceMesh("cuda", [0, 1], _init_backend=False)
+    model = TwoLayer()
+    with pytest.raises(ValueError, match=r'a "cuda" mesh needs CUDA, .* init_device_mesh\("cpu"'):
+        fczero.parallelize(model, mesh)
+    _assert_untouched(model)
 
 
 def test_empty_model(fake_pg):

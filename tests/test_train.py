@@ -40,16 +40,22 @@ def test_main_job_trains_on_two_processes(tmp_path):
     proc, summary = _run_main_job("--steps", "30", "--log-every", "10", tmp_path=tmp_path)
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("fczero.train: Llama"), proc.stdout
-    assert [line.split("|")[0].strip() for line in lines[1:-1]] == [
+    assert lines[1].startswith("numbers: loss = mean over the steps in brackets and all ranks")
+    assert [line.split("|")[0].strip() for line in lines[2:-1]] == [
         "step  1/30",
         "step 10/30",
         "step 20/30",
         "step 30/30",
     ], proc.stdout
+    assert "(step 1, 2 ranks)" in lines[2], lines[2]
+    assert "first step" in lines[2] and "compilation and warm-up included" in lines[2]
+    assert "(steps 1-10, 2 ranks)" in lines[3] and "tok/s (steps 2-10)" in lines[3]
+    assert "(steps 21-30, 2 ranks)" in lines[5] and "tok/s (steps 21-30)" in lines[5]
     assert lines[-1].startswith("done: 30 steps | loss "), proc.stdout
-    assert "tok/s" in lines[-1] and "max RSS" in lines[-1] and "wall" in lines[-1]
+    assert "tok/s (steps 2-30) | first step" in lines[-1]
+    assert "max RSS" in lines[-1] and "wall" in lines[-1]
     assert summary["world_size"] == 2 and summary["backend"] == "gloo"
-    assert summary["steps"] == 30 and summary["tokens_per_s"] > 0
+    assert summary["steps"] == 30 and summary["tokens_per_s"] > 0 and summary["first_step_s"] > 0
     first, last = summary["first_loss"], summary["last_loss"]
     assert first > 5.0, summary  # about ln(256) = 5.5 before training
     assert last < first - 1.5, summary  # the loss visibly falls
@@ -63,12 +69,32 @@ def test_cli_rejects_bad_flags_before_launching(capsys):
     assert "divisible" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_cli_cuda_without_a_gpu_says_to_use_cpu(capsys):
+def test_cli_cuda_without_a_gpu_says_to_use_cpu(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as excinfo:
         train.main(["--device", "cuda"])
     assert excinfo.value.code == 2
-    assert "no CUDA GPU is visible here; use --device cpu" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--device cuda: " in err and "; use --device cpu (gloo), or run on a machine" in err
+
+
+def test_cuda_without_cuda_fails_before_torch_does(monkeypatch):
+    """train() called directly (not through the CLI's checks): fczero's message, not torch's
+    "module 'torch._C' has no attribute '_cuda_setDevice'"."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("reached torch"))
+    with pytest.raises(ValueError, match=r'a "cuda" mesh needs CUDA, .* init_device_mesh\("cpu"'):
+        train._init_distributed("cuda")
+
+
+def test_step_clock_leaves_out_paused_time(monkeypatch):
+    now = iter([0.0, 1.0, 3.0, 5.0, 6.0])  # creation, pause start, pause end, lap, lap
+    monkeypatch.setattr(train._StepClock, "_now", staticmethod(lambda: next(now)))
+    clock = train._StepClock()
+    with clock.paused():
+        pass
+    assert clock.lap() == 3.0  # 5 s less the 2 s paused
+    assert clock.lap() == 1.0
 
 
 def test_lr_schedule_warms_up_then_decays():
@@ -214,6 +240,37 @@ def _reference_losses(steps: int, seed: int = 0, lr: float = 3e-3) -> list[float
         scheduler.step()
         losses.append(loss.item())
     return losses
+
+
+def test_logged_numbers_are_what_the_legend_says(tmp_path):
+    """The first step's line: its own loss and time; then each line's loss is the mean over
+    its --log-every window (step 1 included) and the ranks; the summary's tok/s is over
+    steps 2..N, the same steps the lines' tok/s count."""
+    proc, summary = _run_main_job(
+        *TINY, "--steps", "10", "--log-every", "4", tmp_path=tmp_path
+    )
+    ref = _reference_losses(10)  # the whole batch: the mean over both ranks' halves
+
+    def mean(a: int, b: int) -> float:  # steps a..b, counted from 1
+        return sum(ref[a - 1 : b]) / (b - a + 1)
+
+    expected = [(1, ref[0]), (4, mean(1, 4)), (8, mean(5, 8)), (10, mean(9, 10))]
+    assert [step for step, _ in summary["losses"]] == [step for step, _ in expected]
+    for (_, loss), (step, want) in zip(summary["losses"], expected):
+        assert loss == pytest.approx(want, rel=1e-5), step
+    assert summary["first_loss"] == summary["losses"][0][1]
+    assert summary["last_loss"] == summary["losses"][-1][1]
+
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step")]
+    windows = ["steps 2-4", "steps 5-8", "steps 9-10"]
+    assert [line.split("tok/s (")[1].split(")")[0] for line in lines[1:]] == windows
+    # the summary's tok/s is all tokens of steps 2..10 over the windows' summed time
+    tokens = 4 * 16 * 2  # batch x seq x ranks, per step
+    tok_s = [float(line.split("|")[2].split("tok/s")[0].replace(",", "")) for line in lines[1:]]
+    seconds = sum(tokens * n / rate for n, rate in zip((3, 4, 2), tok_s))
+    assert summary["tokens_per_s"] == pytest.approx(tokens * 9 / seconds, rel=1e-2)
+    assert summary["first_step_s"] > 0.0
+    assert f"first step {summary['first_step_s']:.2f} s" in lines[0]
 
 
 _COMPILE_FLAGS = {
