@@ -37,6 +37,7 @@ starting new sizes once it has passed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -150,17 +151,53 @@ def run_size(args: argparse.Namespace, layers: int, arms: list[str]) -> dict[str
     if args.budget is not None:
         limit = max(1.0, min(limit, args.budget - (time.monotonic() - args.started) - 10))
     logger.info("capacity: %d layers, arms %s", layers, arms)
-    # its own process group: on timeout the torchrun workers it started go too (they hold the GPU)
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:
         proc.wait(timeout=limit)
     except subprocess.TimeoutExpired:
         logger.error("capacity: %d layers did not finish within %.0f s; stopping it", layers, limit)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        stop(proc)
     records = report.read_records(out)
     report.annotate(records)  # the loss check over this size's arms
     return {r["arm"]: r for r in records}
+
+
+def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """End a bench.run started in its own session, and the workers it started.
+
+    torchrun starts each worker in a session of its own, so a signal to the launcher's
+    process group does not reach them, and a SIGKILLed launcher leaves them running (on one
+    H100 such a worker went on training into the next call). So: SIGTERM first, which
+    torchrun passes on to its workers, then SIGKILL to whatever of them is left."""
+    workers = _descendants(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def row_of(arm: str, layers: int, cfg: LlamaConfig, record: dict | None) -> dict:
@@ -362,12 +399,19 @@ def plot(args: argparse.Namespace, rows: list[dict], arms: list[str], path: Path
                     markersize=9, fillstyle="none", mew=1.5)  # fmt: skip
     ax.plot([], [], "kx", markersize=9, mew=2, linestyle="none", label="stopped fitting (measured)")
     ax.plot([], [], ">", color="k", fillstyle="none", linestyle="none",
-            label=f"limit its bytes/param imply ({args.host_memory_gib:g} GiB host)")  # fmt: skip
+            label=f"limit its bytes/param imply ({args.host_memory_gib:g} GiB host, "
+            f"{_f(gpu_gib, '.0f')} GiB GPU)")  # fmt: skip
     ax.set_yscale("log")
     ax.set_xlabel("model size (billions of parameters)")
     ax.set_ylabel("ms per step (log)")
-    runs = sorted({_run_label(r["meta"]) for r in rows if r.get("meta")})
-    ax.set_title("One GPU, batch 1 x 1024, AdamW\n" + "; ".join(runs), fontsize=8)
+    metas = [r["meta"] for r in rows if r.get("meta")]
+    kinds = sorted({
+        f"{m.get('date', '?')[:10]}, {m.get('gpu', '?')}, torch {m.get('torch', '?')}, "
+        f"commit {m.get('commit', '?')}" for m in metas
+    })  # fmt: skip
+    runs = len({m.get("date") for m in metas})
+    ax.set_title(f"One GPU, batch {args.batch} x {args.seq}, AdamW ({runs} bench.run calls)\n"
+                 + "; ".join(kinds), fontsize=9)  # fmt: skip
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
@@ -385,14 +429,63 @@ def write(args: argparse.Namespace, rows: list[dict], arms: list[str]) -> str:
 
 
 def merged_rows(folders: list[Path]) -> list[dict]:
-    """The rows of earlier runs; for an arm and size measured twice, the later folder's."""
+    """The rows of earlier runs, the loss check redone per size over all of them.
+
+    A folder's ``capacity.jsonl`` gives its rows; bench.run's records under ``layers_N``
+    replace its rows that have no result and give rows where the capacity table itself
+    was never written (a run stopped at its time limit). For an arm and size measured in
+    two folders, the later folder's row counts unless it has no result."""
     rows: dict[tuple[str, int], dict] = {}
+
+    def put(row: dict) -> None:
+        key = (row["arm"], row["layers"])
+        if row["status"] != "missing" or key not in rows:
+            rows[key] = row
+
     for folder in folders:
-        for line in (folder / CAPACITY_JSONL).read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                rows[(row["arm"], row["layers"])] = row
-    return list(rows.values())
+        mine: dict[tuple[str, int], dict] = {}
+        path = folder / CAPACITY_JSONL
+        if path.exists():
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    mine[(row["arm"], row["layers"])] = row
+        for results in sorted(folder.glob("layers_*/" + report.RESULTS)):
+            for record in report.read_records(results.parent):
+                model = record["meta"]["model"]
+                key = (record["arm"], model["n_layers"])
+                if key not in mine or mine[key]["status"] == "missing":
+                    row = {"arm": record["arm"], "layers": model["n_layers"],
+                           "params": model["params"]}  # fmt: skip
+                    row.update(status=record.get("status"), error=record.get("error"),
+                               meta=record.get("meta"))  # fmt: skip
+                    row.update({k: record.get(k) for k in FIELDS})
+                    mine[key] = row
+        for row in mine.values():
+            put(row)
+    merged = list(rows.values())
+    recheck_losses(merged)
+    return merged
+
+
+def recheck_losses(rows: list[dict]) -> None:
+    """bench.run's loss check over the arms of each size, whichever run they came from
+    (same model, seed and tokens): FSDP2 eager is the reference where it trained."""
+    from bench.arms import ARMS
+
+    order = list(ARMS)
+    records = [
+        {**row, "regime": str(row["layers"]), "communicates": True, "host_init": False,
+         "order": order.index(row["arm"]) if row["arm"] in order else len(order)}
+        for row in rows if row["status"] == "ok" and row.get("losses")
+    ]  # fmt: skip
+    report.annotate(records)
+    by = {(r["arm"], r["layers"]): r for r in records}
+    for row in rows:
+        checked = by.get((row["arm"], row["layers"]))
+        if checked is not None:
+            for key in ("loss_ref_arm", "loss_rel_diff", "loss_agrees"):
+                row[key] = checked[key]
 
 
 def main(argv: list[str] | None = None) -> int:
