@@ -22,22 +22,32 @@ with ``AdamW(lr, betas=(0.9, 0.95), weight_decay=0)`` (``fused=True`` on CUDA):
 | fczero-params-offload | same | fczero compiled, activation offload ``all``, ``offload_params``, AdamW stepped on the GPU in 512 MiB chunks |
 | fczero-params-offload-cpu-step | same | the same, AdamW stepped on the CPU |
 | fczero-params-offload-eager | same | fczero eager, ``offload_params``, AdamW stepped on the GPU in 512 MiB chunks |
+| deepspeed-offload | DeepSpeed bf16 | ZeRO-3, ``offload_param`` and ``offload_optimizer`` on the CPU (pinned), ``DeepSpeedCPUAdam`` |
 
-The last six (group ``memory``, not in ``all``) are for ``bench.capacity``; the FSDP2
-one and the three ``fczero-params-offload`` ones build the model in host memory (their GPU
-never holds the whole model), with the same optimizer settings. FSDP2's and the
-``-cpu-step`` arm step AdamW on the CPU; ``fczero-params-offload`` streams shards, grads
-and states through the GPU for the step (``offload_optimizer_states`` over offloaded
-params).
+The last seven (group ``memory``, not in ``all``) are for ``bench.capacity``, with the same
+optimizer settings. FSDP2's ``CPUOffloadPolicy`` arm and the ``-cpu-step`` arm step AdamW on
+the CPU (``torch.optim.AdamW``); ``fczero-params-offload`` streams shards, grads and states
+through the GPU for the step (``offload_optimizer_states`` over offloaded params);
+DeepSpeed steps its own CPU Adam (a C++ op built at first use; where it does not build,
+the arm says why in its note and steps ``torch.optim.AdamW`` on the CPU instead). Every arm
+builds the model on the GPU from the same seed, so all start from the same weights: the
+offload arms then move it to host memory param by param, and the GPU holds the whole fp32
+model only while it is built (4 bytes a param: 80 GB covers 20B params, more than host
+memory holds for any offload arm here). Building in host memory instead would draw the
+weights from the CPU's generator, one thread: about 2 minutes per arm for a 4B model.
 
-DeepSpeed is imported inside its builders only: it is a benchmark-only dependency.
+DeepSpeed is imported inside its builders only: it is a benchmark-only dependency. An
+arm whose optional package is missing raises :class:`ArmUnavailable` and is recorded as
+skipped, with the reason.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -51,6 +61,10 @@ from fczero.models.llama import Llama, LlamaConfig
 logger = logging.getLogger("fczero.bench")
 
 BF16 = torch.bfloat16
+
+
+class ArmUnavailable(RuntimeError):
+    """This arm cannot run here (an optional package is missing): skipped, with the reason."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -329,7 +343,7 @@ def build_fsdp2_cpuoffload(ctx: ArmContext) -> Arm:
     """FSDP2 keeping sharded params, grads and AdamW state in pinned host memory (step on CPU)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    model = build_model(ctx, torch.device("cpu"))
+    model = build_model(ctx)  # fully_shard moves each shard to pinned host memory
     root = LossModule(model)
     mp = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=True)
@@ -364,7 +378,7 @@ def _fczero_params_offload(ctx: ArmContext, *, device_step: bool, compiled: bool
     runs on the GPU, 512 MiB of params at a time."""
     import fczero
 
-    root = LossModule(build_model(ctx, torch.device("cpu")))
+    root = LossModule(build_model(ctx))  # parallelize moves each shard to pinned host memory
     fczero.parallelize(
         root,
         ctx.mesh,
@@ -446,6 +460,11 @@ def _deepspeed(ctx: ArmContext, *, deepcompile: bool) -> Arm:
     )
     if deepcompile:
         engine.compile()
+    return _engine_arm(engine, [root, opt], f"deepspeed {deepspeed.__version__}")
+
+
+def _engine_arm(engine, keep: list[object], note: str) -> Arm:
+    """A DeepSpeed engine as an arm: its own forward, backward and step."""
 
     def step(tokens: torch.Tensor) -> torch.Tensor:
         loss = engine(tokens)
@@ -457,9 +476,73 @@ def _deepspeed(ctx: ArmContext, *, deepcompile: bool) -> Arm:
         if hasattr(engine, "destroy"):
             engine.destroy()
 
-    return Arm(
-        step=step, keep=[engine, root, opt], close=close, note=f"deepspeed {deepspeed.__version__}"
+    return Arm(step=step, keep=[engine, *keep], close=close, note=note)
+
+
+def deepspeed_offload_config(ctx: ArmContext, *, cpu_adam: bool = True) -> dict[str, object]:
+    """ZeRO-3 with params and optimizer state offloaded to pinned CPU memory, bf16, and the
+    AdamW of the other arms named in the config (so DeepSpeed builds its CPU Adam for it;
+    ``cpu_adam=False``: ``torch.optim.AdamW`` on the CPU instead)."""
+    adamw_params: dict[str, object] = {
+        "lr": ctx.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0
+    }  # fmt: skip
+    if not cpu_adam:
+        adamw_params["torch_adam"] = True
+    offload = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_micro_batch_size_per_gpu": ctx.batch,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": adamw_params},
+        "zero_optimization": {
+            "stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+            "offload_param": dict(offload), "offload_optimizer": dict(offload),
+        },  # fmt: skip
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _load_cpu_adam() -> tuple[str | None, float]:
+    """Build (JIT, at first use; cached for later processes on the machine) and load
+    DeepSpeed's CPU Adam op: (None, seconds) if it loaded, else (why not, seconds)."""
+    start = time.perf_counter()
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        CPUAdamBuilder().load()
+    except Exception as e:  # noqa: BLE001 - any build failure: the arm falls back and says so
+        reason = " ".join(f"{type(e).__name__}: {e}".split())
+        return reason[:300] + (" ..." if len(reason) > 300 else ""), time.perf_counter() - start
+    return None, time.perf_counter() - start
+
+
+def build_deepspeed_offload(ctx: ArmContext) -> Arm:
+    """DeepSpeed's ZeRO-Offload/Infinity on the CPU: what users pick to train a model larger
+    than the GPU on one GPU. DeepSpeed casts the params to bf16 and partitions them into
+    pinned host memory as ``initialize`` runs."""
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ArmUnavailable(
+            "deepspeed is not importable here (carry it as wheels: shared/BENCHMARK.md)"
+        )
+    if ctx.device.type != "cuda":
+        raise ArmUnavailable("DeepSpeed's offload arm runs on CUDA GPUs only")
+    fix_cuda_arch_list(ctx.device)
+    import deepspeed  # benchmark-only dependency, carried as wheels to the GPU machine
+
+    failure, seconds = _load_cpu_adam()
+    if failure is None:
+        adam = f"DeepSpeedCPUAdam (built and loaded in {seconds:.0f} s)"
+    else:
+        adam = f"DeepSpeedCPUAdam did not build ({failure}); torch.optim.AdamW on the CPU instead"
+        logger.warning("deepspeed-offload: %s", adam)
+    root = LossModule(build_model(ctx))
+    engine, _, _, _ = deepspeed.initialize(
+        model=root,
+        model_parameters=root.parameters(),
+        config=deepspeed_offload_config(ctx, cpu_adam=failure is None),
     )
+    return _engine_arm(engine, [root], f"deepspeed {deepspeed.__version__}; {adam}")
 
 
 def build_deepspeed_zero3(ctx: ArmContext) -> Arm:
@@ -546,7 +629,6 @@ ARMS: dict[str, ArmSpec] = {
             name="fsdp2-cpuoffload",
             label="FSDP2 eager, CPUOffloadPolicy",
             build=build_fsdp2_cpuoffload,
-            host_init=True,
         ),
         ArmSpec(
             name="fczero-memory-eager",
@@ -562,19 +644,21 @@ ARMS: dict[str, ArmSpec] = {
             name="fczero-params-offload",
             label="fczero compiled, param + activation offload (GPU step)",
             build=build_fczero_params_offload,
-            host_init=True,
         ),
         ArmSpec(
             name="fczero-params-offload-cpu-step",
             label="fczero compiled, param + activation offload (CPU step)",
             build=build_fczero_params_offload_cpu_step,
-            host_init=True,
         ),
         ArmSpec(
             name="fczero-params-offload-eager",
             label="fczero eager, param offload (GPU step)",
             build=build_fczero_params_offload_eager,
-            host_init=True,
+        ),
+        ArmSpec(
+            name="deepspeed-offload",
+            label="DeepSpeed ZeRO-3, offload_param + offload_optimizer (CPU Adam)",
+            build=build_deepspeed_offload,
         ),
     )
 }
@@ -589,8 +673,9 @@ MEMORY_ARMS = [
     "fczero-params-offload",
     "fczero-params-offload-cpu-step",
     "fczero-params-offload-eager",
+    "deepspeed-offload",
 ]
-"""Capacity arms (bench.capacity): left out of ``all``."""
+"""Capacity arms (bench.capacity): left out of ``all`` (DeepSpeed's last: it patches torch)."""
 
 GROUPS: dict[str, list[str]] = {
     "all": [name for name in ARMS if name not in MEMORY_ARMS],
@@ -600,7 +685,7 @@ GROUPS: dict[str, list[str]] = {
         for n in ARMS
         if not n.startswith("deepspeed") and n not in _OVERLAP_ARMS and n not in MEMORY_ARMS
     ],
-    "deepspeed": [name for name in ARMS if name.startswith("deepspeed")],
+    "deepspeed": [n for n in ARMS if n.startswith("deepspeed") and n not in MEMORY_ARMS],
     "fczero": [
         "fczero-eager", "fczero-nopasses", "fczero-compiled", "fczero-cudagraphs", "fczero-256mib"
     ],  # fmt: skip

@@ -13,10 +13,18 @@ returns a :class:`Measurement`:
 - every step's loss, kept as tensors until the end so timing never syncs.
 
 ``derived(...)`` turns a step time into tokens/s and model TFLOP/s per GPU.
+
+Host memory (``HostMemory``): the process's resident set and its high-water mark from
+``/proc/self/status`` (``VmRSS``, ``VmHWM``; ``getrusage``'s ``ru_maxrss`` where there is
+no ``/proc``), reset per arm by writing ``5`` to ``/proc/self/clear_refs`` (Linux 4.0+), and
+the CUDA caching host allocator's pinned bytes (``torch.cuda.host_memory_stats``), whose
+cache is emptied between arms so one arm's pinned blocks are not counted in the next.
 """
 
 from __future__ import annotations
 
+import os
+import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -130,3 +138,92 @@ def derived(step_ms: float, *, batch: int, seq_len: int, flops_per_token: int) -
         "tokens_per_s_per_gpu": tokens / seconds,
         "tflops_per_gpu": flops_per_token * tokens / seconds / 1e12,
     }
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def host_rss_bytes() -> int | None:
+    """This process's resident set now (``VmRSS``)."""
+    kib = _status_kib("VmRSS")
+    return None if kib is None else kib * 1024
+
+
+def host_peak_bytes() -> int:
+    """This process's resident high-water mark since start or the last :func:`reset_host_peak`."""
+    kib = _status_kib("VmHWM")
+    if kib is None:  # no /proc: the lifetime peak (kilobytes on Linux)
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib * 1024
+
+
+def reset_host_peak() -> bool:
+    """Start ``VmHWM`` again from the current resident set; False where the kernel does not allow it."""
+    try:
+        with open(f"/proc/{os.getpid()}/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def empty_host_cache() -> None:
+    """Give the CUDA caching host allocator's free pinned blocks back to the OS."""
+    for fn in (
+        getattr(getattr(torch, "accelerator", None), "empty_host_cache", None),
+        getattr(torch._C, "_host_emptyCache", None),
+    ):
+        if fn is not None and torch.cuda.is_available():
+            fn()
+            return
+
+
+def _pinned_stats() -> dict | None:
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or not torch.cuda.is_available():
+        return None
+    try:
+        return stats()
+    except RuntimeError:
+        return None
+
+
+class HostMemory:
+    """Host memory of one arm: ``start()`` before it is built, ``read()`` after its steps."""
+
+    def __init__(self) -> None:
+        self.base_bytes: int | None = None
+        self.reset_ok = False
+
+    def start(self) -> None:
+        empty_host_cache()
+        self.reset_ok = reset_host_peak()
+        reset = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
+        if reset is not None and torch.cuda.is_available():
+            try:
+                reset()
+            except RuntimeError:
+                pass
+        self.base_bytes = host_rss_bytes()
+
+    def read(self) -> dict[str, float | bool | None]:
+        """``host_peak_gib`` (VmHWM, the whole process), ``host_base_gib`` (resident when the
+        arm started), ``pinned_peak_gib`` (pinned blocks the allocator held at most), and
+        ``host_peak_is_arm``: False where the peak could not be reset (it then covers every
+        arm so far in this process)."""
+        stats = _pinned_stats() or {}
+        pinned = stats.get("allocated_bytes.peak", stats.get("allocated_bytes.all.peak"))
+        return {
+            "host_peak_gib": host_peak_bytes() / GIB,
+            "host_base_gib": None if self.base_bytes is None else self.base_bytes / GIB,
+            "pinned_peak_gib": None if pinned is None else pinned / GIB,
+            "host_peak_is_arm": self.reset_ok,
+        }

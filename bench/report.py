@@ -6,9 +6,9 @@ also checks the losses: within a regime, each arm's loss curve is compared step 
 step with FSDP2 eager's (or, where FSDP2 eager did not run, the first arm that ran
 and communicates); a difference above ``loss_rtol`` (default 2e-2, about what bf16
 compute drifts over a few steps) relative to ``max(|reference|, 1)`` at any step is
-marked MISMATCH in the table. Arms that build the model in host memory start from other
-weights (the CPU's generator, same seed), so they are compared with the first of them
-(FSDP2 with ``CPUOffloadPolicy`` where it ran). The
+marked MISMATCH in the table. An arm marked ``host_init`` (built in host memory, so from
+other weights: the CPU's generator, same seed) is compared with the first such arm
+(FSDP2 with ``CPUOffloadPolicy`` where it ran); no arm builds there now. The
 floor trains on local gradients only, so its loss is shown but not compared.
 
     python -m bench.report --out DIR [--docs docs/benchmarks.md]
@@ -182,7 +182,7 @@ def _header(records: list[dict]) -> list[str]:
     timing = (
         f"- median of {first.get('steps')} timed steps after {first.get('warmup')} warm-up "
         f"(DeepCompile: 8); losses compared at every step up to {first.get('n_check')} against "
-        f"{REF_ARM} (arms built in host memory: against {HOST_REF_ARM}), tolerance "
+        f"{REF_ARM}, tolerance "
         f"{first.get('loss_rtol', DEFAULT_LOSS_RTOL):g} x max(|ref|, 1)"
     )
     return [date, size, timing]
@@ -364,10 +364,9 @@ Compare numbers only within one run: absolute times move between machines.
   the timed steps, the highest rank. First step: wall time of step 1, compilation included.
   CPU ms/step: host time inside the step call.
 - Loss check: each arm's loss at step N (averaged over ranks) against FSDP2 eager's, relative
-  tolerance 2e-2 (bf16 compute); a disagreeing arm is marked MISMATCH, never dropped. Arms that
-  build the model in host memory start from other weights (the CPU's generator, same seed) and
-  are compared with FSDP2 `CPUOffloadPolicy`'s. The floor trains on local gradients only, so its
-  loss is shown but not compared.
+  tolerance 2e-2 (bf16 compute); a disagreeing arm is marked MISMATCH, never dropped. Every arm
+  builds the model on the GPU from the same seed. The floor trains on local gradients only, so
+  its loss is shown but not compared.
 - An arm that fails is listed with its error; one that hangs is recorded as timed out.
 - With `PROFILE=1`, each regime table adds comm ms/step and exposed comm ms/step: time collective
   kernels run with no compute kernel alongside, from a torch.profiler trace of rank 0.

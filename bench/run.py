@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from bench import report
-from bench.arms import ArmContext, ArmSpec, select_arms
-from bench.metrics import derived, measure, reset_memory
+from bench.arms import ArmContext, ArmSpec, ArmUnavailable, select_arms
+from bench.metrics import HostMemory, derived, empty_host_cache, measure, reset_memory
 from bench.phases import time_phases
 from bench.profile import profile_steps
 from fczero.models.llama import LlamaConfig
@@ -164,13 +164,16 @@ def _git_commit() -> str:
 
 
 def _meta(args: argparse.Namespace, cfg: LlamaConfig, device: torch.device, world: int) -> dict:
+    gpu_memory_gib = None
     if device.type == "cuda":
         gpu = f"{world} x {torch.cuda.get_device_name(device)}"
+        gpu_memory_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
     else:
         gpu = f"none (CPU, {world} gloo ranks)"
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": gpu,
+        "gpu_memory_gib": gpu_memory_gib,
         "torch": torch.__version__,
         "commit": args.commit or os.environ.get("FCZERO_COMMIT") or _git_commit(),
         "model": {**asdict(cfg), "params": cfg.num_params()},
@@ -266,18 +269,23 @@ def run_arm(spec: ArmSpec, ctx: ArmContext, regime: str, args, batches, ctrl, ba
     with Watchdog(args.arm_timeout, args.out, record, state):
         try:
             torch._dynamo.reset()
+            host = HostMemory()
+            host.start()  # the build counts: offload arms fill host memory there
             arm = spec.build(ctx)
             reset_memory(ctx.device)
             m = measure(arm.step, batches, warmup=warmup, steps=args.steps, device=ctx.device)
-            result = {**asdict(m), "note": arm.note}
+            result = {**asdict(m), **host.read(), "note": arm.note}
             if args.profile:
                 trace = args.out / "traces" / f"{regime}_{spec.name}_rank{rank}.json.gz"
                 summary = profile_steps(arm.step, batches, steps=args.profile_steps,
                                         device=ctx.device, trace_path=trace, keep_trace=rank == 0)  # fmt: skip
                 result["profile"] = summary.to_dict()
-            if args.phases:
+            if args.phases and hasattr(arm.step, "forward"):  # a TrainStep (DeepSpeed's is not)
                 result["phases"] = time_phases(arm.step, batches, steps=args.steps,
                                                device=ctx.device, cprofile=args.phases == "cprofile")  # fmt: skip
+        except ArmUnavailable as e:  # recorded as skipped, with the reason
+            logger.warning("arm %s skipped: %s", spec.name, e)
+            state["error"] = f"skipped: {e}"
         except Exception as e:  # recorded in the table; the run goes on
             logger.exception("arm %s (%s) failed on rank %d", spec.name, regime, rank)
             state["error"] = f"{type(e).__name__}: {e}"
@@ -307,6 +315,11 @@ def run_arm(spec: ArmSpec, ctx: ArmContext, regime: str, args, batches, ctrl, ba
     step_ms = max(r["step_ms"] for r in results)
     peaks = [r["peak_mem_gib"] for r in results if r["peak_mem_gib"] is not None]
     reserved = [r["peak_reserved_gib"] for r in results if r["peak_reserved_gib"] is not None]
+
+    def most(key: str) -> float | None:  # host memory: the rank that used the most
+        values = [r[key] for r in results if r.get(key) is not None]
+        return max(values) if values else None
+
     return {
         **record,
         "status": "ok",
@@ -319,6 +332,10 @@ def run_arm(spec: ArmSpec, ctx: ArmContext, regime: str, args, batches, ctrl, ba
         "first_step_s": max(r["first_step_s"] for r in results),
         "peak_mem_gib": max(peaks) if peaks else None,
         "peak_reserved_gib": max(reserved) if reserved else None,
+        "host_peak_gib": most("host_peak_gib"),
+        "host_base_gib": most("host_base_gib"),
+        "pinned_peak_gib": most("pinned_peak_gib"),
+        "host_peak_is_arm": all(r.get("host_peak_is_arm") for r in results),
         "losses": losses,
         "loss_first": losses[0],
         "loss_at_n": losses[n_check - 1],
@@ -351,6 +368,7 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        empty_host_cache()  # the next arm's host peak starts without this arm's pinned blocks
 
 
 def _write(out: Path, record: dict) -> None:

@@ -7,9 +7,11 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # bench/ is a folder of the repo, not an installed package
@@ -151,13 +153,18 @@ def test_loss_reference_falls_back_to_first_communicating_arm() -> None:
 
 
 def test_arms_built_in_host_memory_are_compared_among_themselves() -> None:
-    """Host-built arms start from other weights: FSDP2 CPUOffloadPolicy is their reference
-    (losses from the one-H100 run of 2026-11-23, where fsdp2-eager's reference was 21.57%
-    away from fczero's host-built arm and 0.51% from FSDP2's)."""
+    """Arms marked ``host_init`` start from other weights: FSDP2 CPUOffloadPolicy is their
+    reference (losses from the one-H100 run of 2026-11-23, when these two arms built the model
+    in host memory: fsdp2-eager's reference was 21.57% away from fczero's host-built arm and
+    0.51% from FSDP2's). The offload arms now build on the GPU, so none is marked by default."""
+    assert not any(spec.host_init for spec in ARMS.values())
     records = [
         _record("fsdp2-eager", loss_at_n=0.0479, losses=[10.869, 1.0, 0.0479]),
-        _record("fsdp2-cpuoffload", loss_at_n=0.0601, losses=[10.854, 1.2, 0.0601]),
-        _record("fczero-params-offload-eager", loss_at_n=0.0652, losses=[10.855, 1.205, 0.0652]),
+        _record("fsdp2-cpuoffload", loss_at_n=0.0601, losses=[10.854, 1.2, 0.0601], host_init=True),
+        _record(
+            "fczero-params-offload-eager", loss_at_n=0.0652, losses=[10.855, 1.205, 0.0652],
+            host_init=True,
+        ),
         _record("fczero-eager", loss_at_n=0.0479, losses=[10.869, 1.001, 0.0479]),
     ]
     report.annotate(records)
@@ -256,3 +263,169 @@ def test_fczero_does_not_depend_on_deepspeed() -> None:
     # Importing the arms never imports deepspeed: only its builders do.
     code = "import sys, bench.arms, bench.run; assert 'deepspeed' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+
+
+def test_capacity_smoke_reports_memory_and_bounds(tmp_path: Path) -> None:
+    """One CPU rank, two sizes: per row ms/step, tokens/s, host peak (of that arm) and the loss
+    check; an arm held below a size is "not tried"; DeepSpeed is skipped with its reason."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = tmp_path / "cap"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.capacity", "--smoke", "--max-layers",
+         "fczero-memory-eager=1", "--out", str(out)],
+        check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "capacity.jsonl").read_text().splitlines()]
+    by = {(r["arm"], r["layers"]): r for r in rows}
+    assert set(by) == {
+        ("fsdp2-eager", 1), ("fsdp2-eager", 2), ("fczero-memory-eager", 1),
+        ("fczero-memory-eager", 2), ("deepspeed-offload", 1),
+    }  # fmt: skip  (a skipped arm is not tried again)
+    for key in [("fsdp2-eager", 1), ("fsdp2-eager", 2), ("fczero-memory-eager", 1)]:
+        r = by[key]
+        assert r["status"] == "ok", r["error"]
+        assert r["step_ms"] > 0 and r["tokens_per_s_per_gpu"] > 0
+        assert r["peak_mem_gib"] is None and r["pinned_peak_gib"] is None  # CPU
+        assert r["host_peak_is_arm"] and r["host_peak_gib"] >= r["host_base_gib"] > 0
+        assert r["meta"]["gpu"].startswith("none (CPU, 1 gloo ranks)")
+    assert by[("fczero-memory-eager", 1)]["loss_ref_arm"] == "fsdp2-eager"
+    assert by[("fczero-memory-eager", 1)]["loss_agrees"] is True
+    assert by[("fczero-memory-eager", 2)]["status"] == "not tried"
+    skipped = by[("deepspeed-offload", 1)]
+    assert skipped["status"] == "error" and "skipped:" in skipped["error"]
+    table = (out / "capacity.md").read_text()
+    assert "| ms/step | tokens/s | GPU peak GiB | host peak GiB | pinned peak GiB |" in table
+    assert "| host B/param | GPU B/param | host implies | GPU implies | bound |" in table
+    assert "not tried (--max-layers fczero-memory-eager=1)" in table
+    assert "| deepspeed-offload | 1 |" in table and "skipped: " in table
+    assert "| fsdp2-eager | 2 layers" in table  # the largest it trained
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (out / "capacity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _row(arm: str, layers: int, status: str = "ok", **kw: object) -> dict:
+    from bench.capacity import config_params
+    from fczero.models.llama import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=32000, dim=4096, n_layers=1, n_heads=32, ffn_dim=11008)
+    return {"arm": arm, "layers": layers, "params": config_params(cfg, layers), "status": status,
+            "host_peak_is_arm": True, **kw}  # fmt: skip
+
+
+def test_capacity_bounds_from_bytes_per_param() -> None:
+    """Slopes over the sizes that trained, the memory each bound implies, and a measured
+    out-of-memory capping the extrapolation (numbers shaped like the one-H100 run)."""
+    from bench.capacity import bounds, layers_for
+
+    gib = 2**30
+    p4, p20 = _row("a", 4)["params"], _row("a", 20)["params"]
+
+    def host(p: int) -> float:  # 1 GiB + 20 B/param
+        return (1.0 * gib + 20.0 * p) / gib
+
+    def gpu(p: int) -> float:  # 0.5 GiB + 16 B/param
+        return (0.5 * gib + 16.0 * p) / gib
+
+    rows = [
+        _row("a", 4, host_peak_gib=host(p4), peak_mem_gib=gpu(p4), host_base_gib=1.0),
+        _row("a", 20, host_peak_gib=host(p20), peak_mem_gib=gpu(p20), host_base_gib=1.0),
+        _row("a", 28, "error", error="OutOfMemoryError: CUDA out of memory"),
+    ]
+    b = bounds(rows, "a", host_gib=128.0, gpu_gib=79.0)
+    assert b["host_bytes_per_param"] == pytest.approx(20.0)
+    assert b["gpu_bytes_per_param"] == pytest.approx(16.0)
+    assert b["host_implied_params"] == pytest.approx(127 * gib / 20.0)
+    assert b["gpu_implied_params"] == pytest.approx(78.5 * gib / 16.0)
+    assert b["bound"] == "GPU" and b["largest"]["layers"] == 20 and b["failed"]["layers"] == 28
+    assert b["implied_params"] == pytest.approx(78.5 * gib / 16.0)  # under the failed size
+    assert layers_for(b["implied_params"], _cfg()) == 24
+    # one size: its peak above where the arm started; a host-bound arm
+    one = [_row("b", 4, host_peak_gib=host(p4), peak_mem_gib=2.0, host_base_gib=1.0)]
+    b = bounds(one, "b", host_gib=128.0, gpu_gib=79.0)
+    assert b["host_bytes_per_param"] == pytest.approx(20.0) and b["bound"] == "host"
+    # a host peak that covers earlier arms says nothing of this one's bytes
+    stale = [{**rows[0], "host_peak_is_arm": False}, {**rows[1], "host_peak_is_arm": False}]
+    assert bounds(stale, "a", host_gib=128.0, gpu_gib=79.0)["host_bytes_per_param"] is None
+
+
+def _cfg():
+    from fczero.models.llama import LlamaConfig
+
+    return LlamaConfig(vocab_size=32000, dim=4096, n_layers=1, n_heads=32, ffn_dim=11008)
+
+
+def test_capacity_merge_rebuilds_rows_and_rechecks_losses(tmp_path: Path) -> None:
+    """Two runs: the first stopped before the second arm finished (no capacity row), the
+    second measured it; the loss check then compares it with FSDP2 eager of the first run."""
+    from bench.capacity import CAPACITY_JSONL, merged_rows
+
+    model = {"n_layers": 20, "params": 4_310_000_000}
+    first, second = tmp_path / "one", tmp_path / "two"
+    report.append_record(first / "layers_20", {
+        **_record("fsdp2-eager", losses=[10.0, 1.0, 0.2]), "meta": {"model": model}})  # fmt: skip
+    (first / CAPACITY_JSONL).write_text(json.dumps(
+        {"arm": "deepspeed-offload", "layers": 20, "params": 4_310_000_000, "status": "missing",
+         "error": "no result"}) + "\n")  # fmt: skip
+    report.append_record(second / "layers_20", {
+        **_record("deepspeed-offload", losses=[10.0, 1.0, 2.9], loss_ref_arm="deepspeed-offload"),
+        "meta": {"model": model}})  # fmt: skip
+    rows = {r["arm"]: r for r in merged_rows([first, second])}
+    assert rows["deepspeed-offload"]["status"] == "ok"
+    assert rows["deepspeed-offload"]["loss_ref_arm"] == "fsdp2-eager"
+    assert rows["deepspeed-offload"]["loss_agrees"] is False
+    assert rows["fsdp2-eager"]["loss_ref_arm"] == "fsdp2-eager"
+
+
+def test_capacity_stop_ends_the_workers_torchrun_started(tmp_path: Path) -> None:
+    """torchrun's workers live in sessions of their own: killing the launcher's group leaves
+    them training (seen on one H100); ``stop`` ends them too."""
+    from bench.capacity import _descendants, stop
+
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.run", "--smoke", "--steps", "200", "--out", str(tmp_path)],
+        cwd=REPO, env=env, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    workers: list[int] = []
+    for _ in range(120):
+        workers = [p for p in _descendants(proc.pid) if "bench.run" in _cmdline(p)]
+        if len(workers) >= 2:
+            break
+        time.sleep(0.5)
+    assert len(workers) >= 2, "no workers started"
+    stop(proc, grace=20)
+    time.sleep(0.5)
+    assert [p for p in workers if _running(p)] == []
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_host_memory_sees_an_arms_own_peak() -> None:
+    from bench.metrics import HostMemory
+
+    host = HostMemory()
+    host.start()
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    seen = host.read()
+    del block
+    assert seen["host_peak_is_arm"] is True
+    assert seen["host_peak_gib"] - seen["host_base_gib"] >= 60 / 1024
+    host.start()  # the next arm starts from what is resident now, not the old peak
+    assert host.read()["host_peak_gib"] < seen["host_peak_gib"]

@@ -50,6 +50,33 @@ def test_grads_go_to_pageable_memory_with_one_warning_when_pinning_fails(no_pinn
     assert len([w for w in record if "pageable" in str(w.message)]) == 1
 
 
+def test_the_compiled_backward_allocates_the_grad_buffer_through_fczero(monkeypatch):
+    """[Note: the grad's host buffer is an op]: the compiled backward calls the op, which takes
+    its buffer from ``streams.host_buffer`` (pinned, from the caching host allocator), instead
+    of a buffer Inductor allocates itself (pageable in torch 2.11)."""
+    from fczero.offload import params as param_offload
+    from fczero.offload import streams
+
+    seen = []
+    real = streams.host_buffer
+
+    def counting(like, pin=True):
+        seen.append(tuple(like.shape))
+        return real(like, pin)
+
+    monkeypatch.setattr(streams, "host_buffer", counting)
+    torch._dynamo.reset()
+    host = torch.randn(8, 4, requires_grad=True)
+    x = torch.randn(8, 4)
+
+    def loss(h, x):
+        return (param_offload.to_device(h, torch.device("cpu")) * x).sum()
+
+    torch.compile(loss, backend="inductor")(host, x).backward()
+    assert seen == [(8, 4)]
+    assert torch.equal(host.grad, x)
+
+
 ADAMW = {"optimizer": "adamw", "lr": 1e-3}
 
 
@@ -173,3 +200,23 @@ def test_shards_grads_and_states_live_on_the_host_and_the_device_peak_drops():
             # without offload: shards, grads and AdamW's two states (4 x 128 MiB / ranks)
             # stay; the device step holds two chunks of one layer (an eighth each) at most
             assert peaks[step] < 0.5 * peaks[False], peaks
+
+
+def _compiled_grads_are_pinned(rank: int, world_size: int) -> list[bool]:
+    mesh = init_device_mesh("cuda", (world_size,))
+    torch.manual_seed(0)
+    model = fczero.parallelize(Wide(), mesh, offload_params=True)
+    compiled = torch.compile(model)
+    x = torch.randn(64, 2048, device="cuda")
+    compiled(x).square().mean().backward()
+    torch.cuda.synchronize()
+    return [p.grad.to_local().is_pinned() for p in model.parameters()]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_backward_puts_grads_in_pinned_memory():
+    """Compiled as eager: every grad lands in pinned host memory ([Note: the grad's host
+    buffer is an op]; torch 2.11's Inductor otherwise allocates it pageable)."""
+    for pinned in run_on_ranks(_compiled_grads_are_pinned, gpu_world_size(), backend="nccl"):
+        assert pinned and all(pinned), pinned
