@@ -14,7 +14,7 @@ random windows of the corpus (``fczero.data``).
 
 Rank 0 prints a header, a line saying what the numbers are, the first step's line (its
 wall time, compilation included), a line every ``--log-every`` steps and a summary;
-``_LEGEND`` (the end of ``--help``) says exactly what each number is averaged over.
+``LEGEND`` (the end of ``--help``) says exactly what each number is averaged over.
 
 ``--save DIR`` writes a checkpoint (``fczero.checkpoint``: model, optimizer, LR
 schedule, step) every ``--save-every`` steps and at the end; ``--resume DIR`` loads
@@ -26,16 +26,14 @@ reproduces the uninterrupted run's losses.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import resource
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -48,51 +46,22 @@ from fczero import checkpoint
 from fczero.data import VOCAB_SIZE, WindowSampler, encode, load_corpus
 from fczero.meshes import check_device_available, cuda_unavailable_reason
 from fczero.models import Llama, LlamaConfig
+from fczero.train_report import (
+    LEGEND,
+    LEGEND_LINE,
+    LossMeter,
+    StepClock,
+    Summary,
+    steps_label,
+    header_line,
+    peak_memory,
+    summary_line,
+)
 
 __all__ = ["build_parser", "main", "train"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-_LEGEND = (
-    "What the numbers are. The first step has a line of its own: its loss, and its wall time, "
-    "which includes compilation (--compile) and first-step warm-up; no tok/s counts it. Every "
-    "--log-every steps a line gives the loss averaged over the steps named beside it (the "
-    "window of --log-every steps ending there; fewer in a last or a resumed run's first "
-    "window) and over all ranks, and tok/s: the tokens of all ranks per second over the steps "
-    "named beside it. The summary's tok/s is over steps 2..N: their tokens over their wall "
-    "time. Time spent writing checkpoints is left out of every time."
-)
-_LEGEND_LINE = (  # the log's short form of _LEGEND
-    "numbers: loss = mean over the steps in brackets and all ranks; tok/s = tokens of all "
-    "ranks per second over the steps in brackets; the first step's time includes "
-    "compilation and warm-up, and no tok/s counts it"
-)
-
-
-@dataclass
-class Summary:
-    """What the run measured; rank 0 prints it as one line and writes it with ``--json``."""
-
-    steps: int
-    world_size: int
-    backend: str
-    compiled: bool
-    params: int
-    first_loss: float
-    """The first step's loss, averaged over the ranks."""
-    last_loss: float
-    """The last window's loss, averaged over its steps and the ranks."""
-    first_step_s: float
-    """Wall time of the run's first step (step 1, or the first after ``--resume``):
-    compilation with ``--compile``, and first-step warm-up."""
-    tokens_per_s: float
-    """Global tokens per second over steps 2..N: their tokens over their wall time."""
-    peak_memory_mib: float
-    peak_memory_kind: str
-    wall_s: float
-    losses: list[tuple[int, float]] = field(default_factory=list)
-    """(step, loss) of every logged line: the first step's own, then each window's mean."""
-    args: dict[str, object] = field(default_factory=dict)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m fczero.train",
         description="Train a small Llama on fczero's shipped corpus with ZeRO-3 sharding.",
-        epilog=_LEGEND,
+        epilog=LEGEND,
     )
     run = p.add_argument_group("run")
     run.add_argument("--steps", type=int, default=150, help="optimizer steps (%(default)s)")
@@ -359,62 +328,6 @@ def _next_token_loss(forward: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
 
 
-def _peak_memory(device: torch.device) -> tuple[float, str]:
-    """(MiB, label): CUDA peak allocated on GPU, this process's max RSS on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20, "peak alloc"
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return rss / (2**20 if sys.platform == "darwin" else 2**10), "max RSS"
-
-
-class _LossMeter:
-    """Sums the loss of each step; ``mean`` averages it over the window of steps and the ranks."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.total = torch.zeros((), device=device)
-        self.steps = 0
-
-    def add(self, loss: torch.Tensor) -> None:
-        self.total += loss.detach()
-        self.steps += 1
-
-    def mean(self, world_size: int, reset: bool = True) -> float:
-        """Mean loss since the last reset over its steps and all ranks (a collective: every
-        rank calls it); ``reset=False`` leaves the window open."""
-        total = self.total.clone()
-        dist.all_reduce(total)
-        value = total.item() / (self.steps * world_size)
-        if reset:
-            self.total.zero_()
-            self.steps = 0
-        return value
-
-
-class _StepClock:
-    """Wall time between laps, leaving out what runs inside ``paused()`` (checkpoint writes)."""
-
-    _now = staticmethod(time.perf_counter)
-
-    def __init__(self) -> None:
-        self.mark = self._now()
-        self.left_out = 0.0
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        start = self._now()
-        try:
-            yield
-        finally:
-            self.left_out += self._now() - start
-
-    def lap(self) -> float:
-        """Seconds since the last lap (or since creation), less the paused time."""
-        now = self._now()
-        elapsed = now - self.mark - self.left_out
-        self.mark, self.left_out = now, 0.0
-        return elapsed
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -474,16 +387,16 @@ def _train_loop(
     n_params = sum(p.numel() for p in model.parameters())  # DTensor numel: the global size
     tokens_per_step = args.batch_size * args.seq_len * world
     if is_main:
-        print(_header(args, n_params, world, dist.get_backend(), device), flush=True)
+        print(header_line(args, n_params, world, dist.get_backend(), device), flush=True)
 
     losses: list[tuple[int, float]] = []
-    meter = _LossMeter(device)
+    meter = LossMeter(device)
     first = start_step + 1
     loss_from = timed_from = first  # first step of the open loss window and tok/s window
     first_step_s = timed_s = 0.0
     if is_main:
-        print(_LEGEND_LINE, flush=True)
-    clock = _StepClock()
+        print(LEGEND_LINE, flush=True)
+    clock = StepClock()
     for step in range(first, args.steps + 1):
         loss = _next_token_loss(forward, sampler.next_batch())
         loss.backward()
@@ -509,15 +422,15 @@ def _train_loop(
         else:
             timed_s += elapsed
         if is_main:
-            mem, kind = _peak_memory(device)
+            mem, kind = peak_memory(device)
             if step == first:
                 timing = f"first step {elapsed:.2f} s, compilation and warm-up included"
             else:
                 tok_s = tokens_per_step * (step - timed_from + 1) / elapsed
-                timing = f"{tok_s:>9,.0f} tok/s ({_steps(timed_from, step)})"
+                timing = f"{tok_s:>9,.0f} tok/s ({steps_label(timed_from, step)})"
             print(
                 f"step {step:>{len(str(args.steps))}}/{args.steps} | loss {mean_loss:.4f} "
-                f"({_steps(loss_from, step)}, {world} ranks) | {timing} | {kind} {mem:,.0f} MiB (rank 0)",
+                f"({steps_label(loss_from, step)}, {world} ranks) | {timing} | {kind} {mem:,.0f} MiB (rank 0)",
                 flush=True,
             )
         timed_from = step + 1
@@ -525,7 +438,7 @@ def _train_loop(
             loss_from = step + 1
     end = time.perf_counter()
 
-    mem, kind = _peak_memory(device)
+    mem, kind = peak_memory(device)
     warm_steps = args.steps - start_step - 1
     summary = Summary(
         steps=args.steps,
@@ -544,7 +457,7 @@ def _train_loop(
         args=vars(args),
     )
     if is_main:
-        print(_summary_line(summary), flush=True)
+        print(summary_line(summary), flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(asdict(summary), f, indent=2)
@@ -602,40 +515,6 @@ def _resume(
             )
             print(f"note: resumed with other settings than the saved run ({diffs})", flush=True)
     return info.step
-
-
-def _header(
-    args: argparse.Namespace, n_params: int, world: int, backend: str, device: torch.device
-) -> str:
-    mode = "compiled" if args.compile else "eager"
-    dtypes = f"param {args.param_dtype or 'fp32'}, reduce {args.reduce_dtype or 'param'}"
-    stage = "reshard after forward" if not args.no_reshard else "no reshard"
-    if args.replicate > 1:
-        stage += f", HSDP {args.replicate} replicas x {world // args.replicate} shards"
-    return (
-        f"fczero.train: Llama {n_params / 1e6:.2f}M params (dim {args.dim}, {args.layers} layers, "
-        f"{args.heads} heads) | {world} ranks x batch {args.batch_size} x seq {args.seq_len} | "
-        f"{backend} on {device.type} | {mode}, {dtypes}, {stage}"
-    )
-
-
-def _steps(first: int, last: int) -> str:
-    return f"step {first}" if first == last else f"steps {first}-{last}"
-
-
-def _summary_line(s: Summary) -> str:
-    first = s.losses[0][0]  # the run's first step (after --resume: not step 1)
-    throughput = (
-        f"{s.tokens_per_s:,.0f} tok/s ({_steps(first + 1, s.steps)})"
-        if s.steps > first
-        else "no tok/s (one step only)"
-    )
-    return (
-        f"done: {s.steps} steps | loss {s.first_loss:.4f} -> {s.last_loss:.4f} | "
-        f"{throughput} | first step {s.first_step_s:.2f} s | "
-        f"{s.peak_memory_kind} {s.peak_memory_mib:,.0f} MiB "
-        f"(rank 0) | wall {s.wall_s:.1f} s"
-    )
 
 
 if __name__ == "__main__":

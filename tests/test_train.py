@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fczero import train
+from fczero import train, train_report
 from fczero.data import VOCAB_SIZE, WindowSampler, decode, encode, load_corpus
 from fczero.models import Llama
 
@@ -89,8 +89,8 @@ def test_cuda_without_cuda_fails_before_torch_does(monkeypatch):
 
 def test_step_clock_leaves_out_paused_time(monkeypatch):
     now = iter([0.0, 1.0, 3.0, 5.0, 6.0])  # creation, pause start, pause end, lap, lap
-    monkeypatch.setattr(train._StepClock, "_now", staticmethod(lambda: next(now)))
-    clock = train._StepClock()
+    monkeypatch.setattr(train_report.StepClock, "_now", staticmethod(lambda: next(now)))
+    clock = train_report.StepClock()
     with clock.paused():
         pass
     assert clock.lap() == 3.0  # 5 s less the 2 s paused
