@@ -243,6 +243,18 @@ def build_ddp(ctx: ArmContext) -> Arm:
     return Arm(step=train_step(ddp, opt), keep=[ddp, root, opt])
 
 
+def _comm(**fields: object):
+    import fczero
+
+    return fczero.CommPolicy(**fields)
+
+
+def _fczero_mp():  # bf16 compute, fp32 reduce: what every fczero arm runs
+    import fczero
+
+    return fczero.MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+
+
 def _fczero(
     ctx: ArmContext,
     *,
@@ -254,7 +266,7 @@ def _fczero(
     import fczero
 
     root = LossModule(build_model(ctx))
-    fczero.parallelize(root, ctx.mesh, param_dtype=BF16, reduce_dtype=torch.float32, **options)
+    fczero.parallelize(root, ctx.mesh, mp_policy=_fczero_mp(), **options)
     opt = adamw(root.parameters(), ctx)
     module = root
     if compiled:
@@ -277,12 +289,12 @@ def build_fczero_cuda_graphs(ctx: ArmContext) -> Arm:
 
 
 def build_fczero_compiled_no_passes(ctx: ArmContext) -> Arm:
-    return _fczero(ctx, compiled=True, compile_passes=False)
+    return _fczero(ctx, compiled=True, comm_policy=_comm(compile_passes=False))
 
 
 def build_fczero_compiled_two_blocks(ctx: ArmContext) -> Arm:
     """256 MiB buckets (two benchmark blocks each), against the default 128 MiB (one block)."""
-    return _fczero(ctx, compiled=True, bucket_bytes=256 * 2**20)
+    return _fczero(ctx, compiled=True, comm_policy=_comm(bucket_bytes=256 * 2**20))
 
 
 def build_fczero_keep_all(ctx: ArmContext) -> Arm:
@@ -293,7 +305,7 @@ def build_fczero_keep_all(ctx: ArmContext) -> Arm:
 def build_fczero_unshard_512mib(ctx: ArmContext) -> Arm:
     """Selective unsharding: the last blocks (head, norm, about three decoder blocks of the
     benchmark model) stay gathered from forward to backward."""
-    return _fczero(ctx, compiled=True, unsharded_budget=512 * 2**20)
+    return _fczero(ctx, compiled=True, comm_policy=_comm(keep_unsharded=512 * 2**20))
 
 
 _OVERLAP = "aten_distributed_optimizations.enable_overlap_scheduling"
@@ -313,7 +325,10 @@ def _inductor_overlap_options() -> dict[str, object]:
 def build_fczero_inductor_overlap(ctx: ArmContext) -> Arm:
     """fczero's passes off; Inductor's overlap scheduler buckets and reorders instead."""
     return _fczero(
-        ctx, compiled=True, compile_passes=False, inductor_options=_inductor_overlap_options()
+        ctx,
+        compiled=True,
+        comm_policy=_comm(compile_passes=False),
+        inductor_options=_inductor_overlap_options(),
     )
 
 
@@ -361,8 +376,8 @@ def _fczero_memory(ctx: ArmContext, *, compiled: bool) -> Arm:
     # peaks at the fp32 model (no more than training needs), while a host build would need
     # the whole model in host memory once per rank next to the offloaded states.
     root = LossModule(build_model(ctx))
-    options: dict[str, object] = {"activation_offload": "all"} if compiled else {}
-    fczero.parallelize(root, ctx.mesh, param_dtype=BF16, reduce_dtype=torch.float32, **options)
+    offload = fczero.OffloadPolicy(activations="all" if compiled else "off")
+    fczero.parallelize(root, ctx.mesh, mp_policy=_fczero_mp(), offload_policy=offload)
     opt = adamw(root.parameters(), ctx)
     # eager: the step in 512 MiB chunks of params (no step holds every state on the GPU);
     # compiled: one whole step (the configuration measured on 2 x H200, docs/memory.md)
@@ -373,7 +388,7 @@ def _fczero_memory(ctx: ArmContext, *, compiled: bool) -> Arm:
 
 
 def _fczero_params_offload(ctx: ArmContext, *, device_step: bool, compiled: bool = True) -> Arm:
-    """Shards, grads and AdamW state in pinned host memory (``offload_params``): what FSDP2's
+    """Shards, grads and AdamW state in pinned host memory (``OffloadPolicy(params=True)``): what FSDP2's
     CPUOffloadPolicy keeps off the GPU; compiled, activations too. ``device_step``: AdamW
     runs on the GPU, 512 MiB of params at a time."""
     import fczero
@@ -382,10 +397,8 @@ def _fczero_params_offload(ctx: ArmContext, *, device_step: bool, compiled: bool
     fczero.parallelize(
         root,
         ctx.mesh,
-        param_dtype=BF16,
-        reduce_dtype=torch.float32,
-        offload_params=True,
-        activation_offload="all" if compiled else "off",
+        mp_policy=_fczero_mp(),
+        offload_policy=fczero.OffloadPolicy(params=True, activations="all" if compiled else "off"),
     )
     opt = torch.optim.AdamW(root.parameters(), lr=ctx.lr, betas=(0.9, 0.95), weight_decay=0.0)
     handle = fczero.offload_optimizer_states(opt, chunk_bytes=512 * 2**20) if device_step else None
