@@ -36,7 +36,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 logger = logging.getLogger("fczero")
 
@@ -44,7 +43,6 @@ logger = logging.getLogger("fczero")
 # tensors compare elementwise, so they cannot be keys of a WeakKeyDictionary.
 _REPLACED: dict[int, tuple[weakref.ref, str]] = {}
 _CHECKED_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
-_OPTIMIZER_HOOK: object | None = None
 _GUARDED_CLASSES: dict[type, type] = {}
 
 
@@ -102,7 +100,6 @@ def protect(model: nn.Module, replaced: list[tuple[str, nn.Parameter]]) -> None:
         _remember(old, name)
         if old.requires_grad:
             old.register_hook(_stale_param_hook(name))
-    _install_optimizer_hook()
     model.register_load_state_dict_pre_hook(_refuse_plain_state)
     for module in model.modules():
         owns_params = next(module.parameters(), None) is not None
@@ -134,14 +131,9 @@ def _stale_param_hook(name: str) -> Callable[[torch.Tensor], None]:
     return hook
 
 
-def _install_optimizer_hook() -> None:
-    global _OPTIMIZER_HOOK
-    if _OPTIMIZER_HOOK is None:
-        _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(check_optimizer)
-
-
 def check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-    """Refuse to step an optimizer that holds params ``parallelize`` replaced (checked once)."""
+    """Refuse to step an optimizer that holds params ``parallelize`` replaced (checked once;
+    called first by fczero's one optimizer pre-step hook, ``stages._before_step``)."""
     if optimizer in _CHECKED_OPTIMIZERS:
         return
     stale = [

@@ -206,6 +206,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
     device, since the step writes host shards that device copies may still read."""
     if optimizer_state(optimizer).in_parts:
         return
+    guards.check_optimizer(optimizer, args, kwargs)
     states = _states_of(optimizer)
     accumulation.check_before_step(states)
     devices = {s.spec.compute_device for s in states} - {None}
