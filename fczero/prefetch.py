@@ -61,10 +61,11 @@ class EagerPrefetch:
         self._ready: dict[int, torch.Tensor] = {}
         self._cursor = 0
         self._issued = 0
+        self._ahead = 0  # unsharded bytes issued ahead and not handed over yet
         self._replaying = False
 
     def start(self) -> None:
-        self._seen, self._ready, self._cursor, self._issued = [], {}, 0, 0
+        self._seen, self._ready, self._cursor, self._issued, self._ahead = [], {}, 0, 0, 0
         self._replaying = self.order is not None and self.window > 0
 
     def gather(self, spec: ShardSpec, param: torch.Tensor, gather: Gather) -> torch.Tensor:
@@ -85,8 +86,10 @@ class EagerPrefetch:
         full = self._ready.pop(n, None)
         if full is None:
             full = gather(spec, param)
-        elif n in self.bucket_of:
-            full = hand_over(spec, param, eager_buckets.unsharded(spec, full))
+        else:
+            self._ahead -= self.sizes[n]
+            if n in self.bucket_of:
+                full = hand_over(spec, param, eager_buckets.unsharded(spec, full))
         self._issue_ahead(n, gather)
         return full
 
@@ -96,16 +99,18 @@ class EagerPrefetch:
         if bucket is None:
             spec, param, _ = self.order[j]
             self._ready[j] = gather(spec, param)
+            self._ahead += self.sizes[j]
             return j + 1
         members = [(self.order[i][0], self.order[i][1]) for i in bucket]
         for i, piece in zip(bucket, eager_buckets.gather_bucket(members)):
             self._ready[i] = piece
+            self._ahead += self.sizes[i]
         return bucket[-1] + 1
 
     def _issue_ahead(self, n: int, gather: Gather) -> None:
         """Issue the gathers after the n-th while they fit in the window (at least one)."""
         sizes = self.sizes
-        ahead = sum(sizes[i] for i in self._ready if i > n)
+        ahead = self._ahead  # what _ready holds: every position in it is after n
         j = max(self._issued, n + 1)
         while j < len(self.order):
             if self.order[j][2] or j in self._ready:  # in place; or issued with its bucket

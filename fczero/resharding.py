@@ -52,6 +52,7 @@ class _Gathered:
     storage: StorageWeakRef
     spec: ShardSpec
     param: torch.Tensor
+    nbytes: int  # the unsharded param's bytes (the regather window counts them)
 
 
 @dataclass
@@ -97,6 +98,7 @@ class _Scope:
         self.position: dict[int, int] = {}  # id(_Gathered) -> index in ``saved``
         # prefetched regathers not unpacked yet: id(_Gathered) -> (that entry, its gather)
         self.ahead: dict[int, tuple[_Gathered, torch.Tensor]] = {}
+        self.ahead_bytes = 0  # the unsharded bytes of what ``ahead`` holds
         self.issued: set[int] = set()  # regathered in this backward (never prefetch again)
         self.draining = False  # a callback will wait for leftovers when backward ends
 
@@ -141,6 +143,8 @@ class _Scope:
         full = ref() if ref is not None else None
         if full is None:
             prefetched = self.ahead.pop(key, None)
+            if prefetched is not None:
+                self.ahead_bytes -= prefetched[0].nbytes
             pending = prefetched[1] if prefetched else self._issue(self.position[key])
             full = self._finish(entry, pending)
             self.regathered[key] = weakref.ref(full)
@@ -185,6 +189,7 @@ class _Scope:
         """Keep a regather issued ahead until its unpack; waited at the end of backward
         if it is never unpacked (at once when no backward is running)."""
         self.ahead[id(entry)] = (entry, pending)
+        self.ahead_bytes += entry.nbytes
         if torch._C._current_graph_task_id() == -1:
             _settle(pending)
         elif not self.draining:
@@ -196,29 +201,25 @@ class _Scope:
         they fit in the window beside those already in flight (at least one)."""
         if self.window <= 0 or torch._C._current_graph_task_id() == -1:
             return  # prefetch off, or unpacked outside backward (no end to wait at)
-        ahead = sum(self._bytes(e) for e, _ in self.ahead.values())
+        ahead = self.ahead_bytes
         buckets = self._buckets()
         for i in range(position - 1, -1, -1):  # no slice: this runs at every unpack
             entry = self.saved[i]
             if id(entry) in self.issued:
                 continue
             members = buckets.get(i, [i])
-            size = sum(self._bytes(self.saved[j]) for j in members)
+            size = sum(self.saved[j].nbytes for j in members)
             if not eager_buckets.fits(ahead, size, self.window):
                 break
             self._hold(entry, self._issue(i))
             ahead += size
-
-    @staticmethod
-    def _bytes(entry: _Gathered) -> int:
-        return entry.spec.unsharded_bytes(entry.param)
 
     def _drain(self) -> None:
         """End of backward: wait for the prefetched regathers nobody unpacked; a later
         backward over the same graph (``retain_graph``) may regather everything again."""
         for _, pending in self.ahead.values():
             _settle(pending)
-        self.ahead, self.issued, self.draining = {}, set(), False
+        self.ahead, self.ahead_bytes, self.issued, self.draining = {}, 0, set(), False
 
 
 def _settle(pending: torch.Tensor | _Piece) -> None:
@@ -237,7 +238,9 @@ def register_gathered(full: torch.Tensor, spec: ShardSpec, param: torch.Tensor) 
         return
     inner = full.elem if isinstance(full, AsyncCollectiveTensor) else full
     storage = inner.untyped_storage()
-    _active.live[storage._cdata] = _Gathered(StorageWeakRef(storage), spec, param)
+    _active.live[storage._cdata] = _Gathered(
+        StorageWeakRef(storage), spec, param, spec.unsharded_bytes(param)
+    )
 
 
 @contextlib.contextmanager
