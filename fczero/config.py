@@ -176,6 +176,8 @@ def resolve(
         )
         if field is not None:
             old.setdefault(policy, {})[field] = value
+        elif not isinstance(value, bool):
+            raise TypeError(f"fczero: {name} must be True or False, got {value!r}.")
         elif value:
             old.setdefault(policy, {})
     if "check_policy" in old and not others.get("check_collectives", False):

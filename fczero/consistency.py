@@ -1,4 +1,4 @@
-"""Opt-in checks that every rank issues the same collectives (``check_collectives=True``).
+"""Opt-in checks that every rank issues the same collectives (``check_policy=CheckPolicy()``).
 
 fczero's collective order is the same on every rank as long as every rank runs the
 same code on the same shapes. When that fails (a rank-dependent branch, a graph break

@@ -52,7 +52,7 @@ def check_finite_grads(model: nn.Module, *, raise_error: bool = True) -> list[st
         raise FloatingPointError(
             f"fczero: the gradients of {len(bad)} parameter(s) hold NaN or inf ({shown}). "
             "Look at the loss and inputs of this step; a lower learning rate, gradient "
-            "clipping, or reduce_dtype=torch.float32 under a 16-bit param_dtype often helps. "
+            "clipping, or MixedPrecisionPolicy(reduce_dtype=torch.float32) under a 16-bit param_dtype often helps. "
             "To skip such steps instead, call check_finite_grads(model, raise_error=False) "
             "and zero the gradients when it returns names."
         )

@@ -204,7 +204,7 @@ def _guarded_apply(self: nn.Module, fn: Callable, recurse: bool = True) -> nn.Mo
                 f"would change parameter {name!r} from {local.device} {local.dtype} to "
                 f"{probe.device} {probe.dtype}. Move and cast the model before parallelize "
                 "(it places params on the mesh's device); for compute in another precision, "
-                "use parallelize(..., param_dtype=...)."
+                "use parallelize(..., mp_policy=fczero.MixedPrecisionPolicy(param_dtype=...))."
             )
     modules = self.modules() if recurse else [self]
     for module in modules:

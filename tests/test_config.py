@@ -65,6 +65,13 @@ def test_old_names_still_work_and_say_the_new_spelling(fake_pg, old, policy, exp
         assert "_policy=fczero." in message or "no check_policy" in message
 
 
+def test_an_old_flag_must_still_be_a_bool(fake_pg):
+    model = TwoLayer()
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="check_collectives must be True or False"):
+        fczero.parallelize(model, init_device_mesh("cpu", (2,)), check_collectives="yes")
+    assert not fczero.is_parallelized(model)
+
+
 def test_an_old_name_next_to_its_policy_is_refused(fake_pg):
     model = TwoLayer()
     with pytest.raises(TypeError, match=r"both comm_policy and the old option 'prefetch'"):
@@ -111,3 +118,12 @@ def test_fsdp2_policies_mean_the_same_here(fake_pg):
         fczero.parallelize(
             TwoLayer(), init_device_mesh("cpu", (2,)), offload_policy=CPUOffloadPolicy(pin_memory=False)
         )
+
+
+def test_keeping_params_gathered_is_refused_where_every_param_is_whole(fake_pg):
+    model = TwoLayer()
+    keep = fczero.CommPolicy(keep_unsharded=1 << 20)
+    for stage in (1, 2):
+        with pytest.raises(ValueError, match=rf"but with stage={stage} every param stays whole"):
+            fczero.parallelize(model, init_device_mesh("cpu", (2,)), stage=stage, comm_policy=keep)
+    assert not fczero.is_parallelized(model)

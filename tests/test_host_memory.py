@@ -307,8 +307,7 @@ def _small_host_on_gpu(rank: int, world_size: int):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_a_gpu_mesh_a_small_host_is_refused_at_each_entry():
     for out in run_on_ranks(_small_host_on_gpu, gpu_world_size(), backend="nccl"):
-        print(out)
-        assert "parallelize(..., offload_policy=fczero.OffloadPolicy(params=True)) needs" in out["parallelize"], out
+        assert "parallelize(..., offload_policy=OffloadPolicy(params=True)) needs" in out["parallelize"], out
         assert "(1048576 bytes) available" in out["parallelize"], out
         assert out["model_unchanged"], out
         assert "AdamW.step() on the host (param offload) needs" in out["host_step"], out

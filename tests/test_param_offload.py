@@ -54,7 +54,6 @@ def test_the_compiled_backward_allocates_the_grad_buffer_through_fczero(monkeypa
     """[Note: the grad's host buffer is an op]: the compiled backward calls the op, which takes
     its buffer from ``streams.host_buffer`` (pinned, from the caching host allocator), instead
     of a buffer Inductor allocates itself (pageable in torch 2.11)."""
-    from fczero.offload import params as param_offload
     from fczero.offload import streams
 
     seen = []
@@ -70,7 +69,7 @@ def test_the_compiled_backward_allocates_the_grad_buffer_through_fczero(monkeypa
     x = torch.randn(8, 4)
 
     def loss(h, x):
-        return (param_offload.to_device(h, torch.device("cpu")) * x).sum()
+        return (streams.to_device(h, torch.device("cpu")) * x).sum()
 
     torch.compile(loss, backend="inductor")(host, x).backward()
     assert seen == [(8, 4)]

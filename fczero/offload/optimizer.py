@@ -336,7 +336,7 @@ class OptimizerOffload:
                     f"what forward and backward took before the first step with no optimizer "
                     f"state on the device: {peak} bytes ({peak / 2**20:.1f} MiB), the minimum. "
                     f"Raise memory_budget to {peak} or more, offload every state without a "
-                    "budget (device_bytes=0), or take less for activations (activation_offload, "
+                    "budget (device_bytes=0), or take less for activations (OffloadPolicy.activations, "
                     "a smaller micro-batch). Nothing was stepped."
                 )
             self.device_bytes = budget - peak

@@ -33,7 +33,7 @@ __all__ = ["PassSettings", "run_passes"]
 
 def run_passes(gm: fx.GraphModule, settings: PassSettings | None = None) -> fx.GraphModule:
     """Apply every fczero pass to ``gm`` (a post-grad forward or backward graph)."""
-    consistency.check_graph(gm)  # with check_collectives: the same collectives on every rank
+    consistency.check_graph(gm)  # with a check_policy: the same collectives on every rank
     if settings is None:
         settings = settings_for_graph(gm.graph)
         if settings is None:
