@@ -31,6 +31,7 @@ the gather is tagged for recomputation instead (see ``sharding.ShardSpec.unshard
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import weakref
 from dataclasses import dataclass
@@ -100,6 +101,8 @@ class _Scope:
         self.ahead: dict[int, tuple[_Gathered, torch.Tensor]] = {}
         self.ahead_bytes = 0  # the unsharded bytes of what ``ahead`` holds
         self.issued: set[int] = set()  # regathered in this backward (never prefetch again)
+        # positions in ``saved`` not issued in this backward, ascending (made on first use)
+        self._unissued: list[int] | None = None
         self.draining = False  # a callback will wait for leftovers when backward ends
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -118,6 +121,7 @@ class _Scope:
         if id(entry) not in self.position:
             self.position[id(entry)] = len(self.saved)
             self.saved.append(entry)
+            self._unissued = None  # planned again over the longer list
         return _Recipe(entry, inner.size(), inner.stride(), inner.storage_offset())
 
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -172,13 +176,13 @@ class _Scope:
         entry = self.saved[position]
         bucket = self._buckets().get(position)
         if bucket is None:
-            self.issued.add(id(entry))
+            self._mark_issued(entry)
             return entry.spec.regather(entry.param)
         members = [self.saved[i] for i in bucket]
         pieces = eager_buckets.regather_bucket([(e.spec, e.param) for e in members])
         mine: _Piece | None = None
         for member, piece in zip(members, pieces):
-            self.issued.add(id(member))
+            self._mark_issued(member)
             if member is entry:
                 mine = _Piece(piece)
             else:
@@ -196,23 +200,35 @@ class _Scope:
             self.draining = True
             torch.autograd.Variable._execution_engine.queue_callback(self._drain)
 
+    def _mark_issued(self, entry: _Gathered) -> None:
+        self.issued.add(id(entry))
+        if self._unissued is not None:
+            k = bisect.bisect_left(self._unissued, self.position[id(entry)])
+            if k < len(self._unissued) and self._unissued[k] == self.position[id(entry)]:
+                del self._unissued[k]
+
     def _issue_ahead(self, position: int) -> None:
         """Issue the regathers of params saved before ``position``, latest first, while
-        they fit in the window beside those already in flight (at least one)."""
+        they fit in the window beside those already in flight (at least one). The
+        positions not issued yet are kept sorted, so each call looks only at those."""
         if self.window <= 0 or torch._C._current_graph_task_id() == -1:
             return  # prefetch off, or unpacked outside backward (no end to wait at)
+        if self._unissued is None:
+            self._unissued = [
+                i for i, e in enumerate(self.saved) if id(e) not in self.issued
+            ]
         ahead = self.ahead_bytes
         buckets = self._buckets()
-        for i in range(position - 1, -1, -1):  # no slice: this runs at every unpack
-            entry = self.saved[i]
-            if id(entry) in self.issued:
-                continue
+        k = bisect.bisect_left(self._unissued, position) - 1
+        while k >= 0:
+            i = self._unissued[k]
             members = buckets.get(i, [i])
             size = sum(self.saved[j].nbytes for j in members)
             if not eager_buckets.fits(ahead, size, self.window):
                 break
-            self._hold(entry, self._issue(i))
+            self._hold(self.saved[i], self._issue(i))  # (drops i and its bucket from the list)
             ahead += size
+            k = bisect.bisect_left(self._unissued, i) - 1
 
     def _drain(self) -> None:
         """End of backward: wait for the prefetched regathers nobody unpacked; a later
@@ -220,6 +236,7 @@ class _Scope:
         for _, pending in self.ahead.values():
             _settle(pending)
         self.ahead, self.ahead_bytes, self.issued, self.draining = {}, 0, set(), False
+        self._unissued = None
 
 
 def _settle(pending: torch.Tensor | _Piece) -> None:
