@@ -197,12 +197,14 @@ def resolve(
     )
 
 
-def _new_spelling(name: str, value: object) -> str:
+def _new_spelling(name: str, value: object, shown: str | None = None) -> str:
+    """The fczero spelling of the old option ``name=value`` (``shown``: the value's text,
+    else its repr)."""
     policy, field = DEPRECATED[name]
     cls = _POLICY_TYPES[policy].__name__
     if field is None:
         return f"{policy}=fczero.{cls}()" if value else f"no {policy}"
-    return f"{policy}=fczero.{cls}({field}={value!r})"
+    return f"{policy}=fczero.{cls}({field}={shown or repr(value)})"
 
 
 def _unknown(name: str, known: list[str]) -> str:
@@ -211,7 +213,7 @@ def _unknown(name: str, known: list[str]) -> str:
     close = difflib.get_close_matches(name, known + list(DEPRECATED), n=1)
     hint = ""
     if close and close[0] in DEPRECATED:
-        hint = f" Did you mean {_new_spelling(close[0], '...').replace(chr(39), '')}?"
+        hint = f" Did you mean {_new_spelling(close[0], True, shown='...')}?"
     elif close:
         hint = f" Did you mean {close[0]!r}?"
     return (
