@@ -42,6 +42,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from fczero import collectives
+from fczero.spec import eager_local
 
 if TYPE_CHECKING:
     from fczero.spec import ShardSpec
@@ -149,7 +150,7 @@ class _GatherBucket(torch.autograd.Function):
 def gather_bucket(members: list[tuple[ShardSpec, torch.Tensor]]) -> list[torch.Tensor]:
     """Issue one all-gather for ``members`` (``(spec, sharded param)``, one bucket); per
     member, its slice of the result, to pass to ``hand_off`` (asynchronous in eager)."""
-    shards = [p.to_local() if isinstance(p, DTensor) else p for _, p in members]
+    shards = [eager_local(p) for _, p in members]
     return list(_GatherBucket.apply(members[0][0], _layouts(members), *shards))
 
 

@@ -31,7 +31,7 @@ import torch.utils.checkpoint
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from fczero import collectives, consistency, eager_buckets, resharding
-from fczero.spec import _local
+from fczero.spec import eager_local
 
 if TYPE_CHECKING:
     from fczero.spec import ShardSpec
@@ -161,7 +161,7 @@ def eager_gather(spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_now(spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
-    return hand_over(spec, param, spec._gather(_local(param)))
+    return hand_over(spec, param, spec._gather(eager_local(param)))
 
 
 def hand_over(spec: ShardSpec, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

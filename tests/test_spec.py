@@ -33,3 +33,26 @@ def test_a_0d_param_is_replicated_and_mixed_precision_is_copied_in(fake_pg):
     assert not param.requires_grad
     assert spec.param_dtype == torch.bfloat16 and spec.reduce_dtype is None
     assert spec.unsharded_bytes(param) == 2  # counted in the dtype the gather casts to
+
+
+def test_eager_local_gives_the_grad_to_local_gives(fake_pg):
+    """The eager shard's backward wraps the grad with (a copy of) the param's spec: the
+    same DTensor grad as ``to_local()``'s backward, without a new spec per grad."""
+    from torch.nn import Parameter
+
+    from fczero.spec import eager_local
+
+    mesh = init_device_mesh("cpu", (2,))
+    grads = []
+    for local_of in (lambda p: p.to_local(), eager_local):
+        param, _ = shard_tensor(torch.arange(12.0).reshape(6, 2), mesh, Options(), True)
+        param = Parameter(param)
+        local = local_of(param)
+        assert torch.equal(local, param.to_local()) and type(local) is torch.Tensor
+        (local * torch.arange(6.0).reshape(3, 2)).sum().backward()
+        grads.append(param.grad)
+    expected, got = grads
+    assert isinstance(got, DTensor) and got.placements == expected.placements
+    assert got.shape == expected.shape and got.stride() == expected.stride()
+    assert torch.equal(got.to_local(), expected.to_local())
+    assert got._spec == param._spec
