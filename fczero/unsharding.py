@@ -59,7 +59,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from fczero import policies
 from fczero.memory import budget_and_peak
 from fczero.state import root_state
 
@@ -68,9 +67,6 @@ if TYPE_CHECKING:
 
     from fczero.spec import ShardSpec
     from fczero.state import ParamState
-
-#: ``keep_unsharded`` value that sizes the kept blocks from ``memory_budget``.
-AUTO = policies.AUTO
 
 #: Optimizer steps that run as pure stage 3 before the automatic plan is made.
 AUTO_PLAN_AFTER_STEPS = 2
