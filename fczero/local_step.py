@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from fczero.state import optimizer_state
+from fczero.state import OptimizerState
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -84,7 +84,7 @@ def _steps_locally(
 ) -> bool:
     if type(optimizer) not in ELEMENTWISE or torch.compiler.is_compiling():
         return False
-    if optimizer_state(optimizer).offload:
+    if OptimizerState.of(optimizer).offload:
         return False  # optimizer-state offload points state tensors at its own buffers
     state = optimizer.state
     for p in params:

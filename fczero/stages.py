@@ -43,6 +43,7 @@ from fczero.offload import params as param_offload
 from fczero.reducer import REDUCERS, Reducer, Route
 from fczero.spec import mesh_device
 from fczero.state import (
+    OptimizerState,
     ParamState,
     RootState,
     module_state,
@@ -189,7 +190,7 @@ def one_step_in_parts(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 def _states_of(optimizer: torch.optim.Optimizer) -> list[ParamState]:
     """The fczero params ``optimizer`` holds, looked up again only when its params change."""
     params = tuple(p for group in optimizer.param_groups for p in group["params"])
-    record = optimizer_state(optimizer)
+    record = OptimizerState.of(optimizer)
     # (the record holds its params alive, so identity cannot be reused by another tensor;
     # the states are held weakly: the model alone keeps them alive)
     if len(record.params) == len(params) and all(a is b for a, b in zip(record.params, params)):
@@ -197,14 +198,16 @@ def _states_of(optimizer: torch.optim.Optimizer) -> list[ParamState]:
         if None not in states:
             return states
     states = [s for s in map(state_of, params) if s is not None]
-    record.params, record.states = params, [weakref.ref(s) for s in states]
+    if states:  # an optimizer of other params gets no fczero attribute
+        record = optimizer_state(optimizer)
+        record.params, record.states = params, [weakref.ref(s) for s in states]
     return states
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     """Refuse grads accumulated but never reduced; under param offload, wait for the
     device, since the step writes host shards that device copies may still read."""
-    if optimizer_state(optimizer).in_parts:
+    if OptimizerState.of(optimizer).in_parts:
         return
     guards.check_optimizer(optimizer, args, kwargs)
     states = _states_of(optimizer)
@@ -218,7 +221,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
 
 def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     local_step.restore(optimizer)
-    if optimizer_state(optimizer).in_parts:
+    if OptimizerState.of(optimizer).in_parts:
         return
     roots: dict[int, tuple[RootState, set[int]]] = {}
     for state in _states_of(optimizer):

@@ -62,6 +62,14 @@ class OptimizerState:
         self.params: tuple[torch.Tensor, ...] = ()
         self.states: list[weakref.ref] = []
 
+    @staticmethod
+    def of(optimizer: torch.optim.Optimizer) -> OptimizerState:
+        """The optimizer's ``_fczero`` if it has one, else a fresh record left unattached."""
+        return optimizer.__dict__.get(ATTR) or _NO_RECORD
+
+
+_NO_RECORD = OptimizerState()  # read-only stand-in: what a record holds before any use
+
 
 def module_state(module: nn.Module, create: bool = False) -> ModuleState | None:
     """``module``'s ``_fczero`` (made when ``create``), else None."""
@@ -78,7 +86,8 @@ def root_state(model: nn.Module) -> RootState | None:
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> OptimizerState:
-    """The optimizer's ``_fczero``, made on first use."""
+    """The optimizer's ``_fczero``, made on first use (fczero's own uses only: an optimizer
+    that holds no fczero param is never given one; readers use ``OptimizerState.of``)."""
     found = optimizer.__dict__.get(ATTR)
     if found is None:
         found = optimizer.__dict__[ATTR] = OptimizerState()

@@ -51,3 +51,12 @@ def test_a_submodule_is_not_a_root(fake_pg):
     assert root_state(model) is not None
     assert all(root_state(m) is None for m in model.blocks)
     assert module_state(model.blocks[0]).root is None
+
+
+def test_an_optimizer_of_other_params_gets_no_attribute(fake_pg):
+    fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)))  # the global hooks exist
+    other = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    other(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    assert _fczero_names(opt) == set()

@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor
 from fczero.memory import budget_and_peak
 from fczero.offload import host_memory, streams
 from fczero.stages import one_step_in_parts
-from fczero.state import compute_device_of, optimizer_state, options_of
+from fczero.state import OptimizerState, compute_device_of, optimizer_state, options_of
 
 logger = logging.getLogger("fczero")
 
@@ -490,7 +490,7 @@ class OptimizerOffload:
             else:
                 self.optimizer.step = self._earlier_step  # type: ignore[method-assign]
         self._planned = {}
-        handles = optimizer_state(self.optimizer).offload
+        handles = OptimizerState.of(self.optimizer).offload
         if self in handles:
             handles.remove(self)
 
@@ -556,7 +556,7 @@ def offload_optimizer_states(
         )
     if not isinstance(pin_memory, bool):
         raise TypeError(f"fczero: pin_memory must be True or False, got {pin_memory!r}.")
-    if any(isinstance(h, OptimizerOffload) for h in optimizer_state(optimizer).offload):
+    if any(isinstance(h, OptimizerOffload) for h in OptimizerState.of(optimizer).offload):
         raise ValueError(
             "fczero: this optimizer's states are already offloaded; call "
             "offload_optimizer_states once per optimizer (or .remove() the first handle)."
