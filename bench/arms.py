@@ -19,12 +19,14 @@ with ``AdamW(lr, betas=(0.9, 0.95), weight_decay=0)`` (``fused=True`` on CUDA):
 | fsdp2-cpuoffload | bf16 params, fp32 reduce | FSDP2 eager with ``CPUOffloadPolicy`` |
 | fczero-memory-eager | same | fczero eager, optimizer states offloaded, step in 512 MiB chunks |
 | fczero-memory | same | fczero compiled, activation offload ``all``, states offloaded |
+| fczero-adaptive-eager | same | fczero eager, AdamW states offloaded only where the default budget has no room (``device_bytes="auto"``), step in 512 MiB chunks |
+| fczero-adaptive | same | the same compiled, activation offload ``auto`` |
 | fczero-params-offload | same | fczero compiled, activation offload ``all``, ``offload_params``, AdamW stepped on the GPU in 512 MiB chunks |
 | fczero-params-offload-cpu-step | same | the same, AdamW stepped on the CPU |
 | fczero-params-offload-eager | same | fczero eager, ``offload_params``, AdamW stepped on the GPU in 512 MiB chunks |
 | deepspeed-offload | DeepSpeed bf16 | ZeRO-3, ``offload_param`` and ``offload_optimizer`` on the CPU (pinned), ``DeepSpeedCPUAdam`` |
 
-The last seven (group ``memory``, not in ``all``) are for ``bench.capacity``, with the same
+The last nine (group ``memory``, not in ``all``) are for ``bench.capacity``, with the same
 optimizer settings. FSDP2's ``CPUOffloadPolicy`` arm and the ``-cpu-step`` arm step AdamW on
 the CPU (``torch.optim.AdamW``); ``fczero-params-offload`` streams shards, grads and states
 through the GPU for the step (``offload_optimizer_states`` over offloaded params);
@@ -387,6 +389,31 @@ def _fczero_memory(ctx: ArmContext, *, compiled: bool) -> Arm:
     return Arm(step=train_step(module, opt), keep=[root, module, opt, handle])
 
 
+def _fczero_adaptive(ctx: ArmContext, *, compiled: bool) -> Arm:
+    """What a user of fczero's memory features runs: only what does not fit moves off the
+    GPU. AdamW states stay on the GPU as far as the default budget (90% of the device) has
+    room above forward and backward's peak, the rest are in pinned host memory, and the step
+    streams them in 512 MiB chunks of params; compiled, activations are offloaded as far
+    as the planned peak needs to fit the same budget."""
+    import fczero
+
+    root = LossModule(build_model(ctx))  # on the GPU: see _fczero_memory
+    offload = fczero.OffloadPolicy(activations="auto" if compiled else "off")
+    fczero.parallelize(root, ctx.mesh, mp_policy=_fczero_mp(), offload_policy=offload)
+    opt = adamw(root.parameters(), ctx)
+    handle = fczero.offload_optimizer_states(opt, device_bytes="auto", chunk_bytes=512 * 2**20)
+    module = torch.compile(root, backend=ctx.compile_backend) if compiled else root
+    return Arm(step=train_step(module, opt), keep=[root, module, opt, handle])
+
+
+def build_fczero_adaptive_eager(ctx: ArmContext) -> Arm:
+    return _fczero_adaptive(ctx, compiled=False)
+
+
+def build_fczero_adaptive(ctx: ArmContext) -> Arm:
+    return _fczero_adaptive(ctx, compiled=True)
+
+
 def _fczero_params_offload(ctx: ArmContext, *, device_step: bool, compiled: bool = True) -> Arm:
     """Shards, grads and AdamW state in pinned host memory (``OffloadPolicy(params=True)``): what FSDP2's
     CPUOffloadPolicy keeps off the GPU; compiled, activations too. ``device_step``: AdamW
@@ -654,6 +681,16 @@ ARMS: dict[str, ArmSpec] = {
             build=build_fczero_memory,
         ),
         ArmSpec(
+            name="fczero-adaptive-eager",
+            label="fczero eager, AdamW states offloaded where the budget has no room",
+            build=build_fczero_adaptive_eager,
+        ),
+        ArmSpec(
+            name="fczero-adaptive",
+            label="fczero compiled, AdamW states and activations offloaded within the budget",
+            build=build_fczero_adaptive,
+        ),
+        ArmSpec(
             name="fczero-params-offload",
             label="fczero compiled, param + activation offload (GPU step)",
             build=build_fczero_params_offload,
@@ -683,6 +720,8 @@ MEMORY_ARMS = [
     "fsdp2-cpuoffload",
     "fczero-memory-eager",
     "fczero-memory",
+    "fczero-adaptive-eager",
+    "fczero-adaptive",
     "fczero-params-offload",
     "fczero-params-offload-cpu-step",
     "fczero-params-offload-eager",

@@ -17,6 +17,8 @@ says so). The configurations (``bench.arms``):
 | fsdp2-eager | nothing (params, grads, AdamW state on the GPU: 16 bytes a param) |
 | fsdp2-cpuoffload | FSDP2 ``CPUOffloadPolicy``: params, grads, states in pinned host memory, step on CPU |
 | fczero-memory-eager | fczero eager, AdamW state in pinned host memory, step in 512 MiB chunks |
+| fczero-adaptive-eager | fczero eager, AdamW state off the GPU only where 90% of it has no room above forward and backward (``device_bytes="auto"``), 512 MiB chunks |
+| fczero-adaptive | the same compiled, activation offload ``auto`` (within the same budget) |
 | fczero-params-offload-eager | fczero eager, ``offload_params``, AdamW on the GPU in 512 MiB chunks |
 | fczero-params-offload | the same compiled, with activation offload ``all`` |
 | deepspeed-offload | DeepSpeed ZeRO-3, ``offload_param`` + ``offload_optimizer`` (pinned CPU), CPU Adam |

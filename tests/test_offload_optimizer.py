@@ -142,8 +142,14 @@ def test_auto_device_bytes_keeps_what_the_budget_leaves_above_the_peak(
     ref_model, off_model = model, copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(off_model.parameters(), lr=1e-2)
+    # chunked, the budget must also hold three chunks of params' worth of states (AdamW:
+    # twice the params) in flight; the largest 256-byte chunk is hidden.weight alone (364)
+    reserve = 3 * 2 * 364 if chunk_bytes else 0
     handle = fczero.offload_optimizer_states(
-        opt, device_bytes="auto", memory_budget=10**6 + 2 * 260 + 3, chunk_bytes=chunk_bytes
+        opt,
+        device_bytes="auto",
+        memory_budget=10**6 + reserve + 2 * 260 + 3,
+        chunk_bytes=chunk_bytes,
     )
     with caplog.at_level(logging.INFO, logger="fczero"):
         _train(off_model, opt, 3)
@@ -151,6 +157,7 @@ def test_auto_device_bytes_keeps_what_the_budget_leaves_above_the_peak(
     assert len(peaks) == 1  # read once, before the first step
     assert handle.summary.kept == ["group0.param1.exp_avg", "group0.param1.exp_avg_sq"]
     assert "= 0.0 MiB of states kept" in handle.summary.sizing  # 523 bytes
+    assert ("MiB for the chunks in flight" in handle.summary.sizing) == bool(chunk_bytes)
     assert "optimizer-state offload: auto: memory_budget" in caplog.text
     for p_ref, p_off in zip(ref_model.parameters(), off_model.parameters()):
         assert torch.equal(p_ref, p_off)  # offloading never changes the numbers
@@ -200,6 +207,32 @@ def test_a_budget_below_the_peak_without_states_names_the_minimum(monkeypatch, c
     )
     assert not opt.state and handle.summary.sizing == ""
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_auto_device_bytes_below_the_default_budget_offloads_everything(monkeypatch, caplog):
+    """Without a budget of the user's, "auto" plans within the default one (90% of the
+    device): a peak above it is no error (the user asked for none), every state is
+    offloaded and one warning says why."""
+    from fczero import memory
+
+    monkeypatch.setattr(memory, "peak_allocated", lambda device: 10**6)
+    monkeypatch.setattr(
+        memory, "device_budget", lambda device, budget: 10**6 - 1 if budget is None else budget
+    )
+    torch.manual_seed(0)
+    model = UnevenTiedMLP()
+    ref_model, off_model = model, copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(off_model.parameters(), lr=1e-2)
+    handle = fczero.offload_optimizer_states(opt, device_bytes="auto", chunk_bytes=256)
+    with caplog.at_level(logging.INFO, logger="fczero"):
+        _train(off_model, opt, 2)
+    _train(ref_model, ref_opt, 2)
+    assert handle.summary.kept == [] and handle.summary.offloaded
+    assert "= 0.0 MiB of states kept (the default budget, 90% of the device" in caplog.text
+    assert [r.levelname for r in caplog.records if "default budget" in r.message] == ["WARNING"]
+    for p_ref, p_off in zip(ref_model.parameters(), off_model.parameters()):
+        assert torch.equal(p_ref, p_off)
 
 
 def test_auto_device_bytes_takes_the_parallelized_models_budget(fake_pg, monkeypatch):

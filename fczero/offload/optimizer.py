@@ -33,8 +33,11 @@ on the device. ``device_bytes="auto"`` sizes that from ``memory_budget`` (defaul
 ``memory_budget`` of the model ``parallelize`` sharded these params for, else 90% of the
 device) at the first step: right before it, the allocator's peak so far is what
 forward and backward need without any state on the device, so what the budget leaves
-above it may hold states (DeepCompile's adaptive offload; CUDA only: elsewhere every
-state is offloaded, and the log says why). The decision is this rank's own: no
+above it, less what a chunked step holds in flight (``CHUNKS_IN_FLIGHT``), may hold states
+(DeepCompile's adaptive offload: only what does not fit is offloaded; CUDA only: elsewhere
+every state is offloaded, and the log says why). A peak above a ``memory_budget`` the user
+gave is an error that names the minimum; above the default budget, every state is
+offloaded and a warning says so. The decision is this rank's own: no
 collective depends on it. On a machine without CUDA nothing needs moving; the states are still
 copied to separate host buffers (so the mechanism runs everywhere) and a warning says
 once that no memory is saved.
@@ -57,6 +60,13 @@ from fczero.state import OptimizerState, compute_device_of, optimizer_state, opt
 logger = logging.getLogger("fczero")
 
 __all__ = ["OptimizerOffload", "offload_optimizer_states"]
+
+
+CHUNKS_IN_FLIGHT = 3
+"""Chunks whose states a chunked step may hold on the device at once."""
+STATE_BYTES_PER_PARAM_BYTE = 2
+"""What ``device_bytes="auto"`` assumes a param's states take per byte of the param before
+they exist: AdamW's and Adam's two (``exp_avg``, ``exp_avg_sq``; SGD's momentum takes one)."""
 
 
 @dataclass
@@ -328,23 +338,49 @@ class OptimizerOffload:
         if isinstance(measured, str):
             self.device_bytes = 0
             self.summary.sizing = f"auto: {measured} on {device.type}, every state offloaded"
-        else:
-            budget, peak = measured
-            if peak > budget:  # even with every state offloaded
-                raise ValueError(
-                    f"fczero: memory_budget={budget} bytes ({budget / 2**20:.1f} MiB) is below "
-                    f"what forward and backward took before the first step with no optimizer "
-                    f"state on the device: {peak} bytes ({peak / 2**20:.1f} MiB), the minimum. "
-                    f"Raise memory_budget to {peak} or more, offload every state without a "
-                    "budget (device_bytes=0), or take less for activations (OffloadPolicy.activations, "
-                    "a smaller micro-batch). Nothing was stepped."
-                )
-            self.device_bytes = budget - peak
-            self.summary.sizing = (
-                f"auto: memory_budget {budget / 2**20:.1f} MiB - peak before the first step "
-                f"{peak / 2**20:.1f} MiB = {self.device_bytes / 2**20:.1f} MiB of states kept"
+            logger.info("optimizer-state offload: %s", self.summary.sizing)
+            return
+        limit, peak = measured
+        reserve = self._in_flight_bytes()
+        if peak > limit and budget is not None:  # even with every state offloaded
+            raise ValueError(
+                f"fczero: memory_budget={limit} bytes ({limit / 2**20:.1f} MiB) is below "
+                f"what forward and backward took before the first step with no optimizer "
+                f"state on the device: {peak} bytes ({peak / 2**20:.1f} MiB), the minimum. "
+                f"Raise memory_budget to {peak} or more, offload every state without a "
+                "budget (device_bytes=0), or take less for activations (OffloadPolicy.activations, "
+                "a smaller micro-batch). Nothing was stepped."
             )
-        logger.info("optimizer-state offload: %s", self.summary.sizing)
+        self.device_bytes = max(0, limit - peak - reserve)
+        held = f" - {reserve / 2**20:.1f} MiB for the chunks in flight" if reserve else ""
+        self.summary.sizing = (
+            f"auto: memory_budget {limit / 2**20:.1f} MiB - peak before the first step "
+            f"{peak / 2**20:.1f} MiB{held} = {self.device_bytes / 2**20:.1f} MiB of states kept"
+        )
+        if budget is None and peak + reserve > limit:  # the default budget, not the user's
+            logger.warning(
+                "fczero: optimizer-state offload: %s (the default budget, 90%% of the device, "
+                "is below the peak; every state is offloaded)",
+                self.summary.sizing,
+            )
+        else:
+            logger.info("optimizer-state offload: %s", self.summary.sizing)
+
+    def _in_flight_bytes(self) -> int:
+        """Device bytes a chunked step holds beyond the kept states: up to three chunks at
+        once (one coming in, one stepping, one going back), each with its states, counted
+        as ``STATE_BYTES_PER_PARAM_BYTE`` times its params, and under param offload the
+        params' and grads' device stand-ins too. 0 without chunks (the whole step brings in
+        every offloaded state anyway)."""
+        if self.chunk_bytes is None:
+            return 0
+        per_byte = STATE_BYTES_PER_PARAM_BYTE + (2 if self.device_step else 0)
+        largest = max(
+            (sum(_local(p).numel() * _local(p).element_size() for _, p in chunk)
+             for chunk in self._chunks(self._params())),
+            default=0,
+        )  # fmt: skip
+        return CHUNKS_IN_FLIGHT * per_byte * largest
 
     # -- the step --------------------------------------------------------------------
     def _before_step(self, optimizer, args, kwargs) -> None:
