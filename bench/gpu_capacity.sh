@@ -3,6 +3,8 @@
 #
 #   CALL=speed   bash bench/gpu_capacity.sh   # 4 and 20 layers: every peer arm and fczero's
 #   CALL=largest bash bench/gpu_capacity.sh   # FSDP2's largest (22-24 layers), fczero at 44
+#   CALL=peers   bash bench/gpu_capacity.sh   # the offload peers near their host bounds:
+#                                             # 23 layers (DeepSpeed), 32 (FSDP2 CPUOffloadPolicy)
 #
 # Run from the repo root with .whl/ carried (DeepSpeed and its needs). Each call writes
 # capacity.md, capacity.jsonl and a tarball of its bench.run folders into $OUT; merge the
@@ -34,7 +36,15 @@ largest)
     python3 -m bench.capacity --merge "$work/fsdp2" "$work/fczero" --out "$work" \
         >> "$OUT/log_$CALL.txt" 2>&1 || status=$?
     ;;
-*) echo "CALL must be speed or largest, got $CALL" >&2; exit 2 ;;
+peers)
+    python3 -m bench.capacity --layers 23 --arms fsdp2-eager,fczero-adaptive-eager,deepspeed-offload \
+        --budget 300 --arm-timeout 200 --out "$work/near23" > "$OUT/log_$CALL.txt" 2>&1 || status=$?
+    python3 -m bench.capacity --layers 32 --arms fsdp2-cpuoffload,fczero-adaptive-eager \
+        --budget 270 --arm-timeout 240 --out "$work/near32" >> "$OUT/log_$CALL.txt" 2>&1 || status=$?
+    python3 -m bench.capacity --merge "$work/near23" "$work/near32" --out "$work" \
+        >> "$OUT/log_$CALL.txt" 2>&1 || status=$?
+    ;;
+*) echo "CALL must be speed, largest or peers, got $CALL" >&2; exit 2 ;;
 esac
 cp "$work/capacity.md" "$work/capacity.jsonl" "$OUT/" 2>/dev/null
 tar czf "$OUT/runs_$CALL.tgz" -C "$work" . 2>/dev/null
