@@ -15,6 +15,7 @@ wrongly, each silent without them:
   tensor raises as soon as backward reaches it.
 - *loading a full state dict*: ``load_state_dict`` with plain (unsharded) tensors fails
   deep in DTensor's dispatch; a pre-hook on the root names the param and the way to load.
+  The same hook refuses ``assign=True``, which would swap the sharded params for untracked ones.
 - *moving or casting the model* (``.to``, ``.cuda``, ``.half``, ``.double``...): every
   module of the model gets a subclass (same class name) whose ``_apply`` refuses a
   conversion that would change a sharded param's device or dtype, before anything is
@@ -152,8 +153,19 @@ def check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: obje
     _CHECKED_OPTIMIZERS.add(optimizer)
 
 
-def _refuse_plain_state(module: nn.Module, state_dict: dict, prefix: str, *args: object) -> None:
-    """Before anything is copied: a plain tensor for a sharded param is a full state dict."""
+def _refuse_plain_state(
+    module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: object
+) -> None:
+    """Before anything is copied: a plain tensor for a sharded param is a full state dict,
+    and ``assign=True`` would swap the sharded params for new tensors that fczero's
+    records (and compiled graphs, through each param's leaf) do not know."""
+    if local_metadata.get("assign_to_params_buffers"):
+        raise ValueError(
+            "fczero: load_state_dict(..., assign=True) would replace the sharded params of a "
+            "parallelized model with the state dict's tensors, which fczero does not track: "
+            "training would go on with the old ones. Load in place (assign=False, the "
+            "default), or call parallelize after loading with assign=True."
+        )
     for name, param in module.named_parameters():
         value = state_dict.get(prefix + name)
         if isinstance(param, DTensor) and isinstance(value, torch.Tensor):

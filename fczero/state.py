@@ -16,11 +16,13 @@ attribute (``_fczero``) through which a module, a model or an optimizer reaches 
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -145,9 +147,43 @@ class ParamState:
         # sharded param's version counter when gathered (-1: gathered in a compiled graph)
         self.reused: torch.Tensor | None = None
         self.reused_version = -1
+        self.leaf = self._new_leaf(param)
+
+    # [Note: what a compiled graph differentiates]
+    # A compiled graph that took the sharded DTensor as its input would pay for it on
+    # every call: Dynamo checks each DTensor's spec in a Python guard, AOT autograd
+    # flattens each into its local tensor, and after backward it builds every grad
+    # back into a DTensor (a new spec per grad, with its checks) that AccumulateGrad
+    # then detaches through DTensor's dispatch once more. So compiled graphs read
+    # ``leaf`` instead: a plain tensor that shares the local shard's storage and version
+    # counter and requires grad. Its grad lands through ordinary AccumulateGrad, and
+    # one hook (``_grad_arrived``) hands it to the sharded param, wrapped with a copy of
+    # the param's spec (fczero's reduce returns a contiguous grad with the param's
+    # placements, shape and dtype, as in ``spec._EagerLocal``). The leaf is a static
+    # address for CUDA graphs, as a param would be. Eager keeps using the DTensor.
+    def _new_leaf(self, param: torch.Tensor) -> torch.Tensor:
+        if not isinstance(param, DTensor):
+            return param
+        leaf = param._local_tensor.detach().requires_grad_(param.requires_grad)
+        torch._dynamo.mark_static_address(leaf)
+        if param.requires_grad:
+            leaf.register_post_accumulate_grad_hook(self._grad_arrived)
+        return leaf
+
+    def _grad_arrived(self, leaf: torch.Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
+        if grad is None:  # (a backward that reduced nothing: the grad went to ``acc``)
+            return
+        param = self.param
+        if param.grad is None:
+            param.grad = DTensor(grad, copy.copy(param._spec), requires_grad=False)
+        else:  # accumulated over steps without zero_grad, as AccumulateGrad would
+            param.grad._local_tensor.add_(grad)
 
     def unshard(self, param: torch.Tensor) -> torch.Tensor:
         """The unsharded param a module computes with (called on every access)."""
+        if torch.compiler.is_compiling():
+            param = self.leaf  # [Note: what a compiled graph differentiates]
         spec = self.spec
         grad_path = param.requires_grad and torch.is_grad_enabled()
         accumulating = grad_path and not self.sync

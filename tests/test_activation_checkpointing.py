@@ -162,10 +162,12 @@ def _train(rank: int, world_size: int, mode: str, backend: str | None, reshard: 
 
 
 # [Note: SDPA in a compiled checkpoint] With torch 2.13, compiling a checkpointed region
-# that holds scaled_dot_product_attention and an fczero gather fails in AOT autograd
-# ("expected all tensors_saved_with_vc_check to be Tensors": the DeviceMesh of the
-# sharded params lands among the saved tensors). A selective policy that saves the
-# attention op's outputs avoids it (and is the usual policy for transformer blocks).
+# that holds scaled_dot_product_attention and an fczero gather failed in AOT autograd
+# while compiled graphs took the DTensor params ("expected all tensors_saved_with_vc_check
+# to be Tensors": the DeviceMesh of the sharded params landed among the saved tensors).
+# Graphs now take plain leaves ([Note: what a compiled graph differentiates]) and it
+# compiles (test_compiled_full_checkpoint_around_sdpa). A selective policy that saves the
+# attention op's outputs is still the usual policy for transformer blocks.
 SDPA_OPS = tuple(
     getattr(torch.ops.aten, name).default
     for name in (
@@ -321,13 +323,8 @@ class _FullyCheckpointed(nn.Module):
         return checkpoint(self.block, self.inp(x), use_reentrant=False)
 
 
-@pytest.mark.xfail(
-    torch.__version__.startswith(SNAPSHOT_TORCH),
-    reason="[Note: SDPA in a compiled checkpoint]: fails on torch 2.13; strict, so a fix shows",
-    raises=Exception,
-    strict=True,
-)
 def test_compiled_full_checkpoint_around_sdpa(fake_pg):
+    """[Note: SDPA in a compiled checkpoint]: failed on torch 2.13 with DTensor graph inputs."""
     model = fczero.parallelize(_FullyCheckpointed(), init_device_mesh("cpu", (2,)))
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     compiled(torch.randn(2, 4, 8)).sum().backward()

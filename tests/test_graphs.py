@@ -75,31 +75,28 @@ class GraphTest(expecttest.TestCase):
         self.assertExpectedInline(
             render(fw),
             """\
-def forward(self, primals_1: "f32[8, 8]", primals_3: "f32[8]", primals_5: "f32[3, 8]", primals_6: "f32[2, 16]"):
-view: "f32[8, 8]" = aten.view(primals_1, [8, 8])
-all_gather_into_tensor: "f32[16, 8]" = _c10d_functional.all_gather_into_tensor(view, 2, '0')
+def forward(self, primals_1: "f32[8, 8]", primals_2: "f32[8]", primals_3: "f32[3, 8]", primals_4: "f32[2, 16]"):
+all_gather_into_tensor: "f32[16, 8]" = _c10d_functional.all_gather_into_tensor(primals_1, 2, '0')
 wait_tensor: "f32[16, 8]" = _c10d_functional.wait_tensor(all_gather_into_tensor)
-view_1: "f32[8]" = aten.view(primals_3, [8])
-all_gather_into_tensor_1: "f32[16]" = _c10d_functional.all_gather_into_tensor(view_1, 2, '0')
+all_gather_into_tensor_1: "f32[16]" = _c10d_functional.all_gather_into_tensor(primals_2, 2, '0')
 wait_tensor_1: "f32[16]" = _c10d_functional.wait_tensor(all_gather_into_tensor_1)
 t: "f32[8, 16]" = aten.t(wait_tensor)
-addmm: "f32[3, 16]" = aten.addmm(wait_tensor_1, primals_5, t);  wait_tensor_1 = t = None
+addmm: "f32[3, 16]" = aten.addmm(wait_tensor_1, primals_3, t);  wait_tensor_1 = t = None
 relu: "f32[3, 16]" = aten.relu(addmm)
-view_2: "f32[2, 16]" = aten.view(primals_6, [2, 16])
-all_gather_into_tensor_2: "f32[4, 16]" = _c10d_functional.all_gather_into_tensor(view_2, 2, '0')
+all_gather_into_tensor_2: "f32[4, 16]" = _c10d_functional.all_gather_into_tensor(primals_4, 2, '0')
 wait_tensor_2: "f32[4, 16]" = _c10d_functional.wait_tensor(all_gather_into_tensor_2)
 t_1: "f32[16, 4]" = aten.t(wait_tensor_2)
 mm: "f32[3, 4]" = aten.mm(relu, t_1)
-return (mm, primals_1, primals_5, view_1, relu, view_2)""",
+return (mm, primals_1, primals_2, primals_3, primals_4, relu)""",
         )
         self.assertExpectedInline(
             render(bw),
             """\
-def forward(self, primals_1: "f32[8, 8]", primals_5: "f32[3, 8]", view_1: "f32[8]", relu: "f32[3, 16]", view_2: "f32[2, 16]", tangents_1: "f32[3, 4]"):
+def forward(self, primals_1: "f32[8, 8]", primals_2: "f32[8]", primals_3: "f32[3, 8]", primals_4: "f32[2, 16]", relu: "f32[3, 16]", tangents_1: "f32[3, 4]"):
 t_2: "f32[4, 3]" = aten.t(tangents_1)
 mm_1: "f32[4, 16]" = aten.mm(t_2, relu)
 t_3: "f32[16, 4]" = aten.t(mm_1)
-all_gather_into_tensor_2: "f32[4, 16]" = _c10d_functional.all_gather_into_tensor(view_2, 2, '0')
+all_gather_into_tensor_2: "f32[4, 16]" = _c10d_functional.all_gather_into_tensor(primals_4, 2, '0')
 wait_tensor_2: "f32[4, 16]" = _c10d_functional.wait_tensor(all_gather_into_tensor_2)
 t_1: "f32[16, 4]" = aten.t(wait_tensor_2)
 t_4: "f32[4, 16]" = aten.t(t_1)
@@ -108,25 +105,22 @@ t_5: "f32[4, 16]" = aten.t(t_3)
 div: "f32[4, 16]" = aten.div.Tensor(t_5, 2)
 reduce_scatter_tensor: "f32[2, 16]" = _c10d_functional.reduce_scatter_tensor(div, 'sum', 2, '0')
 wait_tensor_3: "f32[2, 16]" = _c10d_functional.wait_tensor(reduce_scatter_tensor)
-view_3: "f32[2, 16]" = aten.view(wait_tensor_3, [2, 16])
 detach_4: "f32[3, 16]" = aten.detach(relu)
 detach_7: "f32[3, 16]" = aten.detach(detach_4)
 threshold_backward: "f32[3, 16]" = aten.threshold_backward(mm_2, detach_7, 0);  mm_2 = detach_7 = None
 t_6: "f32[16, 3]" = aten.t(threshold_backward)
-mm_3: "f32[16, 8]" = aten.mm(t_6, primals_5);  t_6 = primals_5 = None
+mm_3: "f32[16, 8]" = aten.mm(t_6, primals_3);  t_6 = primals_3 = None
 t_7: "f32[8, 16]" = aten.t(mm_3)
 sum_1: "f32[1, 16]" = aten.sum.dim_IntList(threshold_backward, [0], True)
-view_4: "f32[16]" = aten.view(sum_1, [16])
+view: "f32[16]" = aten.view(sum_1, [16])
 t_8: "f32[16, 8]" = aten.t(t_7)
-div_1: "f32[16]" = aten.div.Tensor(view_4, 2)
+div_1: "f32[16]" = aten.div.Tensor(view, 2)
 reduce_scatter_tensor_1: "f32[8]" = _c10d_functional.reduce_scatter_tensor(div_1, 'sum', 2, '0')
 wait_tensor_4: "f32[8]" = _c10d_functional.wait_tensor(reduce_scatter_tensor_1)
-view_5: "f32[8]" = aten.view(wait_tensor_4, [8])
 div_2: "f32[16, 8]" = aten.div.Tensor(t_8, 2)
 reduce_scatter_tensor_2: "f32[8, 8]" = _c10d_functional.reduce_scatter_tensor(div_2, 'sum', 2, '0')
 wait_tensor_5: "f32[8, 8]" = _c10d_functional.wait_tensor(reduce_scatter_tensor_2)
-view_6: "f32[8, 8]" = aten.view(wait_tensor_5, [8, 8])
-return (view_6, view_5, None, view_3)""",
+return (wait_tensor_5, wait_tensor_4, None, wait_tensor_3)""",
         )
 
     @same_torch
@@ -135,28 +129,25 @@ return (view_6, view_5, None, view_3)""",
         self.assertExpectedInline(
             render(fw),
             """\
-def forward(self, primals_1: "f32[8, 8]", primals_3: "f32[8]", primals_5: "f32[3, 8]", primals_6: "f32[2, 16]"):
-view: "f32[8, 8]" = aten.view(primals_1, [8, 8])
-all_gather_into_tensor: "f32[16, 8]" = _c10d_functional.all_gather_into_tensor(view, 2, '0')
+def forward(self, primals_1: "f32[8, 8]", primals_2: "f32[8]", primals_3: "f32[3, 8]", primals_4: "f32[2, 16]"):
+all_gather_into_tensor: "f32[16, 8]" = _c10d_functional.all_gather_into_tensor(primals_1, 2, '0')
 wait_tensor: "f32[16, 8]" = _c10d_functional.wait_tensor(all_gather_into_tensor)
-view_1: "f32[8]" = aten.view(primals_3, [8])
-all_gather_into_tensor_1: "f32[16]" = _c10d_functional.all_gather_into_tensor(view_1, 2, '0')
+all_gather_into_tensor_1: "f32[16]" = _c10d_functional.all_gather_into_tensor(primals_2, 2, '0')
 wait_tensor_1: "f32[16]" = _c10d_functional.wait_tensor(all_gather_into_tensor_1)
 t: "f32[8, 16]" = aten.t(wait_tensor)
-addmm: "f32[3, 16]" = aten.addmm(wait_tensor_1, primals_5, t);  wait_tensor_1 = t = None
+addmm: "f32[3, 16]" = aten.addmm(wait_tensor_1, primals_3, t);  wait_tensor_1 = t = None
 relu: "f32[3, 16]" = aten.relu(addmm)
-view_2: "f32[2, 16]" = aten.view(primals_6, [2, 16])
-all_gather_into_tensor_2: "f32[4, 16]" = _c10d_functional.all_gather_into_tensor(view_2, 2, '0')
+all_gather_into_tensor_2: "f32[4, 16]" = _c10d_functional.all_gather_into_tensor(primals_4, 2, '0')
 wait_tensor_2: "f32[4, 16]" = _c10d_functional.wait_tensor(all_gather_into_tensor_2)
 t_1: "f32[16, 4]" = aten.t(wait_tensor_2)
 mm: "f32[3, 4]" = aten.mm(relu, t_1)
 t_4: "f32[4, 16]" = aten.t(t_1)
-return (mm, primals_5, relu, t_4)""",
+return (mm, primals_3, relu, t_4)""",
         )
         self.assertExpectedInline(
             render(bw),
             """\
-def forward(self, primals_5: "f32[3, 8]", relu: "f32[3, 16]", t_4: "f32[4, 16]", tangents_1: "f32[3, 4]"):
+def forward(self, primals_3: "f32[3, 8]", relu: "f32[3, 16]", t_4: "f32[4, 16]", tangents_1: "f32[3, 4]"):
 t_2: "f32[4, 3]" = aten.t(tangents_1)
 mm_1: "f32[4, 16]" = aten.mm(t_2, relu)
 t_3: "f32[16, 4]" = aten.t(mm_1)
@@ -165,25 +156,22 @@ t_5: "f32[4, 16]" = aten.t(t_3)
 div: "f32[4, 16]" = aten.div.Tensor(t_5, 2)
 reduce_scatter_tensor: "f32[2, 16]" = _c10d_functional.reduce_scatter_tensor(div, 'sum', 2, '0')
 wait_tensor_3: "f32[2, 16]" = _c10d_functional.wait_tensor(reduce_scatter_tensor)
-view_3: "f32[2, 16]" = aten.view(wait_tensor_3, [2, 16])
 detach: "f32[3, 16]" = aten.detach(relu)
 detach_1: "f32[3, 16]" = aten.detach(detach)
 threshold_backward: "f32[3, 16]" = aten.threshold_backward(mm_2, detach_1, 0);  mm_2 = detach_1 = None
 t_6: "f32[16, 3]" = aten.t(threshold_backward)
-mm_3: "f32[16, 8]" = aten.mm(t_6, primals_5);  t_6 = primals_5 = None
+mm_3: "f32[16, 8]" = aten.mm(t_6, primals_3);  t_6 = primals_3 = None
 t_7: "f32[8, 16]" = aten.t(mm_3)
 sum_1: "f32[1, 16]" = aten.sum.dim_IntList(threshold_backward, [0], True)
-view_4: "f32[16]" = aten.view(sum_1, [16])
+view: "f32[16]" = aten.view(sum_1, [16])
 t_8: "f32[16, 8]" = aten.t(t_7)
-div_1: "f32[16]" = aten.div.Tensor(view_4, 2)
+div_1: "f32[16]" = aten.div.Tensor(view, 2)
 reduce_scatter_tensor_1: "f32[8]" = _c10d_functional.reduce_scatter_tensor(div_1, 'sum', 2, '0')
 wait_tensor_4: "f32[8]" = _c10d_functional.wait_tensor(reduce_scatter_tensor_1)
-view_5: "f32[8]" = aten.view(wait_tensor_4, [8])
 div_2: "f32[16, 8]" = aten.div.Tensor(t_8, 2)
 reduce_scatter_tensor_2: "f32[8, 8]" = _c10d_functional.reduce_scatter_tensor(div_2, 'sum', 2, '0')
 wait_tensor_5: "f32[8, 8]" = _c10d_functional.wait_tensor(reduce_scatter_tensor_2)
-view_6: "f32[8, 8]" = aten.view(wait_tensor_5, [8, 8])
-return (view_6, view_5, None, view_3)""",
+return (wait_tensor_5, wait_tensor_4, None, wait_tensor_3)""",
         )
 
     @same_torch
@@ -194,35 +182,31 @@ return (view_6, view_5, None, view_3)""",
         self.assertExpectedInline(
             render(fw),
             """\
-def forward(self, primals_1: "f32[8, 8]", primals_3: "f32[8]", primals_5: "bf16[3, 8]", primals_6: "f32[2, 16]"):
-view: "f32[8, 8]" = aten.view(primals_1, [8, 8])
-_to_copy: "bf16[8, 8]" = aten._to_copy(view, dtype = torch.bfloat16)
+def forward(self, primals_1: "f32[8, 8]", primals_2: "f32[8]", primals_3: "bf16[3, 8]", primals_4: "f32[2, 16]"):
+_to_copy: "bf16[8, 8]" = aten._to_copy(primals_1, dtype = torch.bfloat16)
 all_gather_into_tensor: "bf16[16, 8]" = _c10d_functional.all_gather_into_tensor(_to_copy, 2, '0')
 wait_tensor: "bf16[16, 8]" = _c10d_functional.wait_tensor(all_gather_into_tensor)
-view_1: "f32[8]" = aten.view(primals_3, [8])
-_to_copy_1: "bf16[8]" = aten._to_copy(view_1, dtype = torch.bfloat16)
+_to_copy_1: "bf16[8]" = aten._to_copy(primals_2, dtype = torch.bfloat16)
 all_gather_into_tensor_1: "bf16[16]" = _c10d_functional.all_gather_into_tensor(_to_copy_1, 2, '0')
 wait_tensor_1: "bf16[16]" = _c10d_functional.wait_tensor(all_gather_into_tensor_1)
 t: "bf16[8, 16]" = aten.t(wait_tensor)
-addmm: "bf16[3, 16]" = aten.addmm(wait_tensor_1, primals_5, t);  wait_tensor_1 = t = None
+addmm: "bf16[3, 16]" = aten.addmm(wait_tensor_1, primals_3, t);  wait_tensor_1 = t = None
 relu: "bf16[3, 16]" = aten.relu(addmm)
-view_2: "f32[2, 16]" = aten.view(primals_6, [2, 16])
-_to_copy_2: "bf16[2, 16]" = aten._to_copy(view_2, dtype = torch.bfloat16)
+_to_copy_2: "bf16[2, 16]" = aten._to_copy(primals_4, dtype = torch.bfloat16)
 all_gather_into_tensor_2: "bf16[4, 16]" = _c10d_functional.all_gather_into_tensor(_to_copy_2, 2, '0')
 wait_tensor_2: "bf16[4, 16]" = _c10d_functional.wait_tensor(all_gather_into_tensor_2)
 t_1: "bf16[16, 4]" = aten.t(wait_tensor_2)
 mm: "bf16[3, 4]" = aten.mm(relu, t_1)
-return (mm, primals_1, primals_3, primals_5, primals_6, relu)""",
+return (mm, primals_1, primals_2, primals_3, primals_4, relu)""",
         )
         self.assertExpectedInline(
             render(bw),
             """\
-def forward(self, primals_1: "f32[8, 8]", primals_3: "f32[8]", primals_5: "bf16[3, 8]", primals_6: "f32[2, 16]", relu: "bf16[3, 16]", tangents_1: "bf16[3, 4]"):
+def forward(self, primals_1: "f32[8, 8]", primals_2: "f32[8]", primals_3: "bf16[3, 8]", primals_4: "f32[2, 16]", relu: "bf16[3, 16]", tangents_1: "bf16[3, 4]"):
 t_2: "bf16[4, 3]" = aten.t(tangents_1)
 mm_1: "bf16[4, 16]" = aten.mm(t_2, relu)
 t_3: "bf16[16, 4]" = aten.t(mm_1)
-view_2: "f32[2, 16]" = aten.view(primals_6, [2, 16])
-_to_copy_2: "bf16[2, 16]" = aten._to_copy(view_2, dtype = torch.bfloat16)
+_to_copy_2: "bf16[2, 16]" = aten._to_copy(primals_4, dtype = torch.bfloat16)
 all_gather_into_tensor_2: "bf16[4, 16]" = _c10d_functional.all_gather_into_tensor(_to_copy_2, 2, '0')
 wait_tensor_2: "bf16[4, 16]" = _c10d_functional.wait_tensor(all_gather_into_tensor_2)
 t_1: "bf16[16, 4]" = aten.t(wait_tensor_2)
@@ -233,27 +217,24 @@ _to_copy_3: "f32[4, 16]" = aten._to_copy(t_5, dtype = torch.float32)
 div: "f32[4, 16]" = aten.div.Tensor(_to_copy_3, 2)
 reduce_scatter_tensor: "f32[2, 16]" = _c10d_functional.reduce_scatter_tensor(div, 'sum', 2, '0')
 wait_tensor_3: "f32[2, 16]" = _c10d_functional.wait_tensor(reduce_scatter_tensor)
-view_3: "f32[2, 16]" = aten.view(wait_tensor_3, [2, 16])
 detach_6: "bf16[3, 16]" = aten.detach(relu)
 detach_10: "bf16[3, 16]" = aten.detach(detach_6)
 threshold_backward: "bf16[3, 16]" = aten.threshold_backward(mm_2, detach_10, 0);  mm_2 = detach_10 = None
 t_6: "bf16[16, 3]" = aten.t(threshold_backward)
-mm_3: "bf16[16, 8]" = aten.mm(t_6, primals_5);  t_6 = primals_5 = None
+mm_3: "bf16[16, 8]" = aten.mm(t_6, primals_3);  t_6 = primals_3 = None
 t_7: "bf16[8, 16]" = aten.t(mm_3)
 sum_1: "bf16[1, 16]" = aten.sum.dim_IntList(threshold_backward, [0], True)
-view_4: "bf16[16]" = aten.view(sum_1, [16])
+view: "bf16[16]" = aten.view(sum_1, [16])
 t_8: "bf16[16, 8]" = aten.t(t_7)
-_to_copy_4: "f32[16]" = aten._to_copy(view_4, dtype = torch.float32)
+_to_copy_4: "f32[16]" = aten._to_copy(view, dtype = torch.float32)
 div_1: "f32[16]" = aten.div.Tensor(_to_copy_4, 2)
 reduce_scatter_tensor_1: "f32[8]" = _c10d_functional.reduce_scatter_tensor(div_1, 'sum', 2, '0')
 wait_tensor_4: "f32[8]" = _c10d_functional.wait_tensor(reduce_scatter_tensor_1)
-view_5: "f32[8]" = aten.view(wait_tensor_4, [8])
 _to_copy_5: "f32[16, 8]" = aten._to_copy(t_8, dtype = torch.float32)
 div_2: "f32[16, 8]" = aten.div.Tensor(_to_copy_5, 2)
 reduce_scatter_tensor_2: "f32[8, 8]" = _c10d_functional.reduce_scatter_tensor(div_2, 'sum', 2, '0')
 wait_tensor_5: "f32[8, 8]" = _c10d_functional.wait_tensor(reduce_scatter_tensor_2)
-view_6: "f32[8, 8]" = aten.view(wait_tensor_5, [8, 8])
-return (view_6, view_5, None, view_3)""",
+return (wait_tensor_5, wait_tensor_4, None, wait_tensor_3)""",
         )
 
 

@@ -174,6 +174,16 @@ def test_loading_a_full_state_dict_after_parallelize(fake_pg):
     assert not model.load_state_dict(sharded).missing_keys  # a sharded one loads as is
 
 
+def test_loading_with_assign_after_parallelize_is_refused(fake_pg):
+    """assign=True would swap the sharded params for tensors fczero does not track."""
+    model = fczero.parallelize(TwoLayer(), _mesh())
+    sharded = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    params = dict(model.named_parameters())
+    with pytest.raises(ValueError, match=r"assign=True\) would replace the sharded params"):
+        model.load_state_dict(sharded, assign=True)
+    assert all(p is params[n] for n, p in model.named_parameters())  # nothing swapped
+
+
 class _Outer(nn.Module):
     """``enc`` is parallelized alone; ``dec`` ties its weight to ``enc.fc1.weight``."""
 
