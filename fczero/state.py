@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -167,7 +168,9 @@ class ParamState:
         leaf = param._local_tensor.detach().requires_grad_(param.requires_grad)
         torch._dynamo.mark_static_address(leaf)
         if param.requires_grad:
-            leaf.register_post_accumulate_grad_hook(self._grad_arrived)
+            # weakly: a hook is held by the tensor in C++, where the garbage collector cannot
+            # see a cycle through it, so a strong one would keep a dropped model alive
+            leaf.register_post_accumulate_grad_hook(partial(_grad_arrived, weakref.ref(self)))
         return leaf
 
     def _grad_arrived(self, leaf: torch.Tensor) -> None:
@@ -181,9 +184,9 @@ class ParamState:
             param.grad._local_tensor.add_(grad)
 
     def unshard(self, param: torch.Tensor) -> torch.Tensor:
-        """The unsharded param a module computes with (called on every access)."""
-        if torch.compiler.is_compiling():
-            param = self.leaf  # [Note: what a compiled graph differentiates]
+        """The unsharded param a module computes with (called on every access): ``param``
+        is the sharded param in eager, ``leaf`` when traced ([Note: what a compiled graph
+        differentiates]; the wiring passes it, so Dynamo never reads the DTensor)."""
         spec = self.spec
         grad_path = param.requires_grad and torch.is_grad_enabled()
         accumulating = grad_path and not self.sync
@@ -254,6 +257,14 @@ class ParamState:
         device = self.spec.compute_device or self.param.device  # (param offload: the device's)
         one = torch.zeros((), dtype=route.reduce_dtype, device=device)
         self.acc = one.expand(self.spec.shape).detach().requires_grad_(True)
+
+
+def _grad_arrived(state: weakref.ref, leaf: torch.Tensor) -> None:
+    """The leaf's hook: hand its grad to the sharded param ([Note: what a compiled graph
+    differentiates]), if the param's state still exists."""
+    target = state()
+    if target is not None:
+        target._grad_arrived(leaf)
 
 
 #: Sharded param -> weak reference to its state (for the optimizer hooks). Both weak: the

@@ -22,7 +22,10 @@ _WIRED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 def _unsharded_property(name: str) -> property:
     def get(module: nn.Module) -> torch.Tensor:
-        return getattr(module, ATTR).params[name].unshard(module._parameters[name])
+        state = getattr(module, ATTR).params[name]
+        if torch.compiler.is_compiling():  # the sharded DTensor stays out of the graph
+            return state.unshard(state.leaf)
+        return state.unshard(module._parameters[name])
 
     return property(get, doc=f"Unsharded {name!r}, gathered by fczero on each access.")
 

@@ -112,3 +112,20 @@ def test_compiled_graphs_differentiate_plain_leaves_not_dtensors(gloo_one_rank):
         leaf.data_ptr() == s.param._local_tensor.data_ptr()
         for leaf, s in zip(leaves, root_state(model).params)
     )
+
+
+def test_a_dropped_compiled_model_frees_its_leaves(gloo_one_rank):
+    """The leaf's grad hook holds its state weakly: a hook lives in C++, where the garbage
+    collector cannot break a cycle, and a strong one kept every dropped model's shards."""
+    import gc
+    import weakref
+
+    model = fczero.parallelize(UnevenTiedMLP(), init_device_mesh("cpu", (1,)))
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(torch.randn(4, 5)).sum().backward()
+    leaf = weakref.ref(root_state(model).params[0].leaf)
+    del model, compiled
+    gc.collect()
+    torch._dynamo.reset()
+    gc.collect()
+    assert leaf() is None
