@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from torch._dynamo.backends.debugging import aot_eager
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -86,9 +87,9 @@ def test_compiled_graphs_differentiate_plain_leaves_not_dtensors(gloo_one_rank):
     model = fczero.parallelize(copy.deepcopy(ref), init_device_mesh("cpu", (1,)))
     inputs: list[object] = []
 
-    def recording(gm, example_inputs):
+    def recording(gm, example_inputs):  # Dynamo's inputs, then AOT autograd as usual
         inputs.extend(example_inputs)
-        return gm.forward
+        return aot_eager(gm, example_inputs)
 
     compiled = torch.compile(model, backend=recording)
     batches = [torch.randn(4, 5) for _ in range(2)]
