@@ -546,7 +546,8 @@ def offload_optimizer_states(
             DTensors, as under ``fczero.parallelize``). Call this once, before training.
         device_bytes: bytes of state (the first, in parameter order) that stay on the
             device; 0 offloads every tensor state; ``"auto"``: what ``memory_budget``
-            leaves above the peak before the first step (CUDA; elsewhere 0).
+            leaves above the peak before the first step, less three chunks in flight with
+            ``chunk_bytes`` (CUDA; elsewhere 0).
         chunk_bytes: step in chunks of about this many bytes of parameters, streaming each
             chunk's states in and out (the step then never holds all states on the
             device). None: one whole step, with all offloaded states brought in for it.
