@@ -33,7 +33,7 @@ on the device. ``device_bytes="auto"`` sizes that from ``memory_budget`` (defaul
 ``memory_budget`` of the model ``parallelize`` sharded these params for, else 90% of the
 device) at the first step: right before it, the allocator's peak so far is what
 forward and backward need without any state on the device, so what the budget leaves
-above it, less what a chunked step holds in flight (``CHUNKS_IN_FLIGHT``), may hold states
+above it, less what a chunked step holds in flight (``state_budget``), may hold states
 (DeepCompile's adaptive offload: only what does not fit is offloaded; CUDA only: elsewhere
 every state is offloaded, and the log says why). A peak above a ``memory_budget`` the user
 gave is an error that names the minimum; above the default budget, every state is
@@ -52,21 +52,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fczero.memory import budget_and_peak
-from fczero.offload import host_memory, streams
+from fczero.offload import host_memory, state_budget, streams
 from fczero.stages import one_step_in_parts
 from fczero.state import OptimizerState, compute_device_of, optimizer_state, options_of
 
 logger = logging.getLogger("fczero")
 
 __all__ = ["OptimizerOffload", "offload_optimizer_states"]
-
-
-CHUNKS_IN_FLIGHT = 3
-"""Chunks whose states a chunked step may hold on the device at once."""
-STATE_BYTES_PER_PARAM_BYTE = 2
-"""What ``device_bytes="auto"`` assumes a param's states take per byte of the param before
-they exist: AdamW's and Adam's two (``exp_avg``, ``exp_avg_sq``; SGD's momentum takes one)."""
 
 
 @dataclass
@@ -324,63 +316,23 @@ class OptimizerOffload:
         _synchronize({s.device for s in self.slots or ()})
 
     def _size_from_budget(self) -> None:
-        """``device_bytes="auto"``, once, before the first step (see the module docstring)."""
+        """``device_bytes="auto"``, once, before the first step (``state_budget``)."""
         if not self.auto or self.summary.sizing:
             return
-
         params = [p for _, p in self._params()]
         device = _local(params[0]).device if params else torch.device("cpu")
         budget = self.memory_budget
         if budget is None and params:  # the parallelized model's budget, if it has one
             options = options_of(params[0])
             budget = options.memory_budget if options is not None else None
-        measured = budget_and_peak(device, budget)
-        if isinstance(measured, str):
-            self.device_bytes = 0
-            self.summary.sizing = f"auto: {measured} on {device.type}, every state offloaded"
-            logger.info("optimizer-state offload: %s", self.summary.sizing)
-            return
-        limit, peak = measured
-        reserve = self._in_flight_bytes()
-        if peak > limit and budget is not None:  # even with every state offloaded
-            raise ValueError(
-                f"fczero: memory_budget={limit} bytes ({limit / 2**20:.1f} MiB) is below "
-                f"what forward and backward took before the first step with no optimizer "
-                f"state on the device: {peak} bytes ({peak / 2**20:.1f} MiB), the minimum. "
-                f"Raise memory_budget to {peak} or more, offload every state without a "
-                "budget (device_bytes=0), or take less for activations (OffloadPolicy.activations, "
-                "a smaller micro-batch). Nothing was stepped."
-            )
-        self.device_bytes = max(0, limit - peak - reserve)
-        held = f" - {reserve / 2**20:.1f} MiB for the chunks in flight" if reserve else ""
-        self.summary.sizing = (
-            f"auto: memory_budget {limit / 2**20:.1f} MiB - peak before the first step "
-            f"{peak / 2**20:.1f} MiB{held} = {self.device_bytes / 2**20:.1f} MiB of states kept"
+        chunks = self._chunks(self._params()) if self.chunk_bytes is not None else []
+        reserve = state_budget.in_flight_bytes(
+            [sum(_local(p).numel() * _local(p).element_size() for _, p in c) for c in chunks],
+            self.device_step,
         )
-        if budget is None and peak + reserve > limit:  # the default budget, not the user's
-            logger.warning(
-                "fczero: optimizer-state offload: %s (the default budget, 90%% of the device, "
-                "is below the peak; every state is offloaded)",
-                self.summary.sizing,
-            )
-        else:
-            logger.info("optimizer-state offload: %s", self.summary.sizing)
-
-    def _in_flight_bytes(self) -> int:
-        """Device bytes a chunked step holds beyond the kept states: up to three chunks at
-        once (one coming in, one stepping, one going back), each with its states, counted
-        as ``STATE_BYTES_PER_PARAM_BYTE`` times its params, and under param offload the
-        params' and grads' device stand-ins too. 0 without chunks (the whole step brings in
-        every offloaded state anyway)."""
-        if self.chunk_bytes is None:
-            return 0
-        per_byte = STATE_BYTES_PER_PARAM_BYTE + (2 if self.device_step else 0)
-        largest = max(
-            (sum(_local(p).numel() * _local(p).element_size() for _, p in chunk)
-             for chunk in self._chunks(self._params())),
-            default=0,
-        )  # fmt: skip
-        return CHUNKS_IN_FLIGHT * per_byte * largest
+        self.device_bytes, self.summary.sizing = state_budget.plan_device_bytes(
+            device, budget, reserve
+        )
 
     # -- the step --------------------------------------------------------------------
     def _before_step(self, optimizer, args, kwargs) -> None:
