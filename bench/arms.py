@@ -138,14 +138,14 @@ def build_model(ctx: ArmContext, device: torch.device | None = None) -> Llama:
         return Llama(ctx.cfg)
 
 
-def adamw(params: object, ctx: ArmContext) -> torch.optim.Optimizer:
-    fused = True if ctx.device.type == "cuda" else None
+def adamw(params: object, ctx: ArmContext, *, fused: bool = True) -> torch.optim.Optimizer:
+    """The arms' AdamW: fused on CUDA unless ``fused=False`` (then torch's default kernels)."""
     return torch.optim.AdamW(
         params,
         lr=ctx.lr,
         betas=(0.9, 0.95),
         weight_decay=0.0,
-        fused=fused,  # type: ignore[arg-type]
+        fused=True if fused and ctx.device.type == "cuda" else None,  # type: ignore[arg-type]
     )
 
 
@@ -371,22 +371,36 @@ def build_fsdp2_cpuoffload(ctx: ArmContext) -> Arm:
     return Arm(step=train_step(root, opt), keep=[root, opt])
 
 
-def _fczero_memory(ctx: ArmContext, *, compiled: bool) -> Arm:
+def _fczero_offloading(
+    ctx: ArmContext, *, compiled: bool, offload, states: dict | None, fused: bool = True
+) -> Arm:
+    """fczero with ``offload`` (an ``OffloadPolicy``) and, unless ``states`` is None, its
+    AdamW states offloaded (``states``: ``offload_optimizer_states``'s keywords).
+
+    Built on the GPU: parallelize swaps one param at a time for its shard (or moves it to
+    pinned host memory, under param offload), so the build peaks at the fp32 model (no more
+    than training needs), while a host build would need the whole model in host memory once
+    per rank next to the offloaded states. ``fused=False``: AdamW's default kernels (params
+    in host memory)."""
     import fczero
 
-    # Built on the GPU: parallelize swaps one param at a time for its shard, so the build
-    # peaks at the fp32 model (no more than training needs), while a host build would need
-    # the whole model in host memory once per rank next to the offloaded states.
     root = LossModule(build_model(ctx))
-    offload = fczero.OffloadPolicy(activations="all" if compiled else "off")
     fczero.parallelize(root, ctx.mesh, mp_policy=_fczero_mp(), offload_policy=offload)
-    opt = adamw(root.parameters(), ctx)
-    # eager: the step in 512 MiB chunks of params (no step holds every state on the GPU);
-    # compiled: one whole step (the configuration measured on 2 x H200, docs/memory.md)
-    chunk = None if compiled else 512 * 2**20
-    handle = fczero.offload_optimizer_states(opt, chunk_bytes=chunk)
+    opt = adamw(root.parameters(), ctx, fused=fused)
+    handle = None if states is None else fczero.offload_optimizer_states(opt, **states)
     module = torch.compile(root, backend=ctx.compile_backend) if compiled else root
     return Arm(step=train_step(module, opt), keep=[root, module, opt, handle])
+
+
+def _fczero_memory(ctx: ArmContext, *, compiled: bool) -> Arm:
+    """Every AdamW state offloaded. Eager: the step in 512 MiB chunks of params (no step
+    holds every state on the GPU); compiled: one whole step (the configuration measured on
+    2 x H200, docs/memory.md), activations offloaded too."""
+    from fczero import OffloadPolicy
+
+    offload = OffloadPolicy(activations="all" if compiled else "off")
+    chunk = None if compiled else 512 * 2**20
+    return _fczero_offloading(ctx, compiled=compiled, offload=offload, states={"chunk_bytes": chunk})
 
 
 def _fczero_adaptive(ctx: ArmContext, *, compiled: bool) -> Arm:
@@ -395,15 +409,11 @@ def _fczero_adaptive(ctx: ArmContext, *, compiled: bool) -> Arm:
     room above forward and backward's peak, the rest are in pinned host memory, and the step
     streams them in 512 MiB chunks of params; compiled, activations are offloaded as far
     as the planned peak needs to fit the same budget."""
-    import fczero
+    from fczero import OffloadPolicy
 
-    root = LossModule(build_model(ctx))  # on the GPU: see _fczero_memory
-    offload = fczero.OffloadPolicy(activations="auto" if compiled else "off")
-    fczero.parallelize(root, ctx.mesh, mp_policy=_fczero_mp(), offload_policy=offload)
-    opt = adamw(root.parameters(), ctx)
-    handle = fczero.offload_optimizer_states(opt, device_bytes="auto", chunk_bytes=512 * 2**20)
-    module = torch.compile(root, backend=ctx.compile_backend) if compiled else root
-    return Arm(step=train_step(module, opt), keep=[root, module, opt, handle])
+    offload = OffloadPolicy(activations="auto" if compiled else "off")
+    states = {"device_bytes": "auto", "chunk_bytes": 512 * 2**20}
+    return _fczero_offloading(ctx, compiled=compiled, offload=offload, states=states)
 
 
 def build_fczero_adaptive_eager(ctx: ArmContext) -> Arm:
@@ -418,19 +428,11 @@ def _fczero_params_offload(ctx: ArmContext, *, device_step: bool, compiled: bool
     """Shards, grads and AdamW state in pinned host memory (``OffloadPolicy(params=True)``): what FSDP2's
     CPUOffloadPolicy keeps off the GPU; compiled, activations too. ``device_step``: AdamW
     runs on the GPU, 512 MiB of params at a time."""
-    import fczero
+    from fczero import OffloadPolicy
 
-    root = LossModule(build_model(ctx))  # parallelize moves each shard to pinned host memory
-    fczero.parallelize(
-        root,
-        ctx.mesh,
-        mp_policy=_fczero_mp(),
-        offload_policy=fczero.OffloadPolicy(params=True, activations="all" if compiled else "off"),
-    )
-    opt = torch.optim.AdamW(root.parameters(), lr=ctx.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    handle = fczero.offload_optimizer_states(opt, chunk_bytes=512 * 2**20) if device_step else None
-    module = torch.compile(root, backend=ctx.compile_backend) if compiled else root
-    return Arm(step=train_step(module, opt), keep=[root, module, opt, handle])
+    offload = OffloadPolicy(params=True, activations="all" if compiled else "off")
+    states = {"chunk_bytes": 512 * 2**20} if device_step else None
+    return _fczero_offloading(ctx, compiled=compiled, offload=offload, states=states, fused=False)
 
 
 def build_fczero_params_offload(ctx: ArmContext) -> Arm:

@@ -16,7 +16,6 @@ attribute (``_fczero``) through which a module, a model or an optimizer reaches 
 
 from __future__ import annotations
 
-import copy
 import weakref
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -29,7 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fczero import collectives, prefetch, resharding
 from fczero.reducer import Reducer, Route, whole_param
-from fczero.spec import _local, _recompute_everything
+from fczero.spec import _local, _recompute_everything, sharded_grad
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -158,9 +157,8 @@ class ParamState:
     # then detaches through DTensor's dispatch once more. So compiled graphs read
     # ``leaf`` instead: a plain tensor that shares the local shard's storage and version
     # counter and requires grad. Its grad lands through ordinary AccumulateGrad, and
-    # one hook (``_grad_arrived``) hands it to the sharded param, wrapped with a copy of
-    # the param's spec (fczero's reduce returns a contiguous grad with the param's
-    # placements, shape and dtype, as in ``spec._EagerLocal``). The leaf is a static
+    # one hook (``_grad_arrived``) hands it to the sharded param, wrapped as eager's grads
+    # are (``spec.sharded_grad``). The leaf is a static
     # address for CUDA graphs, as a param would be. Eager keeps using the DTensor.
     def _new_leaf(self, param: torch.Tensor) -> torch.Tensor:
         if not isinstance(param, DTensor):
@@ -179,7 +177,7 @@ class ParamState:
             return
         param = self.param
         if param.grad is None:
-            param.grad = DTensor(grad, copy.copy(param._spec), requires_grad=False)
+            param.grad = sharded_grad(grad, param._spec)
         else:  # accumulated over steps without zero_grad, as AccumulateGrad would
             param.grad._local_tensor.add_(grad)
 

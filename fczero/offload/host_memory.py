@@ -182,8 +182,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return _local(t).numel() * _local(t).element_size()
+def local_nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s data on this rank (a DTensor's local shard)."""
+    local = _local(t)
+    return local.numel() * local.element_size()
 
 
 def _adam_like(group: dict) -> int:
@@ -221,13 +223,13 @@ def _state_sizes(
     they are if they exist, else predicted; None when it cannot be told."""
     state = optimizer.state.get(p)
     if state:
-        return [_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim()]
+        return [local_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim()]
     rule = next(
         (_STATES_PER_PARAM[c] for c in type(optimizer).__mro__ if c in _STATES_PER_PARAM), None
     )
     if rule is None:
         return None
-    return [_nbytes(p)] * (rule(group) if callable(rule) else rule)
+    return [local_nbytes(p)] * (rule(group) if callable(rule) else rule)
 
 
 def size_text(nbytes: int) -> str:
@@ -351,7 +353,7 @@ def check_optimizer_states(
                 else:
                     states += pinned_size(nbytes) if pin else nbytes
             if host_param is not None and p.requires_grad and p.grad is None:
-                grads += pinned_size(_nbytes(p))
+                grads += pinned_size(local_nbytes(p))
     name = type(optimizer).__name__
     if unknown:
         logger.info(

@@ -99,6 +99,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+
 def _step_device(param: torch.Tensor) -> torch.device | None:
     """Where a param whose shard lives in host memory (param offload) steps; None for
     params that are where their compute is."""
@@ -327,7 +328,7 @@ class OptimizerOffload:
             budget = options.memory_budget if options is not None else None
         chunks = self._chunks(self._params()) if self.chunk_bytes is not None else []
         reserve = state_budget.in_flight_bytes(
-            [sum(_local(p).numel() * _local(p).element_size() for _, p in c) for c in chunks],
+            [sum(host_memory.local_nbytes(p) for _, p in c) for c in chunks],
             self.device_step,
         )
         self.device_bytes, self.summary.sizing = state_budget.plan_device_bytes(
@@ -351,7 +352,7 @@ class OptimizerOffload:
     def _chunks(self, params):
         chunks, current, size = [], [], 0
         for name, p in params:
-            nbytes = _local(p).numel() * _local(p).element_size()
+            nbytes = host_memory.local_nbytes(p)
             if current and self.chunk_bytes is not None and size + nbytes > self.chunk_bytes:
                 chunks.append(current)
                 current, size = [], 0
