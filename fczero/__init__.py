@@ -6,15 +6,15 @@ and reduces are traceable functional collectives, so plain ``torch.compile`` see
 """
 
 from fczero import checkpoint
-from fczero.accumulation import no_sync, set_requires_gradient_sync
 from fczero.api import is_parallelized, parallelize
-from fczero.clipping import clip_grad_norm_
-from fczero.consistency import CollectiveMismatchError
-from fczero.grads import check_finite_grads
+from fczero.comm.consistency import CollectiveMismatchError
+from fczero.core.policies import CheckPolicy, CommPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fczero.offload.optimizer import offload_optimizer_states
 from fczero.offload.report import MemoryReport, memory_report
-from fczero.policies import CheckPolicy, CommPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fczero.stages import refresh_params
+from fczero.runtime.accumulation import no_sync, set_requires_gradient_sync
+from fczero.runtime.clipping import clip_grad_norm_
+from fczero.runtime.grads import check_finite_grads
+from fczero.runtime.stages import refresh_params
 
 __all__ = [
     "CheckPolicy",

@@ -14,21 +14,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from fczero import consistency, guards, memory, resharding, stages, unsharding
-from fczero import meta_init as meta_device_init
-from fczero import prefetch as eager_prefetch
-from fczero import config
-from fczero.config import Options
-from fczero.meshes import MeshLayout, resolve_mesh
-from fczero.offload import host_memory
+from fczero.comm import consistency
+from fczero.comm.meshes import MeshLayout, resolve_mesh
+from fczero.core import config, host_memory, memory, unsharding
+from fczero.core import meta_init as meta_device_init
+from fczero.core.config import Options
+from fczero.core.policies import CheckPolicy, CommPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fczero.core.spec import ShardSpec, mesh_device, quiet_gather_checkpoint_note, shard_tensor
+from fczero.core.state import ATTR, root_state
 from fczero.offload import params as param_offload
 from fczero.offload import partition as offload_partition
 from fczero.passes import registry
 from fczero.passes.install import install
-from fczero.policies import CheckPolicy, CommPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fczero.spec import ShardSpec, mesh_device, quiet_gather_checkpoint_note, shard_tensor
-from fczero.state import ATTR, root_state
-from fczero.wiring import wire_module
+from fczero.runtime import guards, resharding, stages
+from fczero.runtime import prefetch as eager_prefetch
+from fczero.runtime.wiring import wire_module
 
 logger = logging.getLogger("fczero")
 
@@ -76,7 +76,7 @@ def parallelize(
         mesh: a ``DeviceMesh``; with more than one axis, name the data-parallel one
             with ``axis`` (and, for HSDP, the replicate one with ``replicate_axis``).
             Params that are already tensor-parallel DTensors must live on other axes
-            of this same mesh (``fczero.meshes``).
+            of this same mesh (``fczero.comm.meshes``).
         stage: ZeRO stage. 3: params, grads and optimizer state sharded; each param is
             gathered when a module reads it. 2: each rank keeps a whole copy of every
             param (refreshed by one bucketed all-gather after ``optimizer.step()``);
@@ -108,12 +108,12 @@ def parallelize(
             initializes that module's own params and buffers in place. It runs on one
             module at a time, whole on the mesh's device, children before parents (as
             ``model.apply`` would), then the module's params are sharded. ``None``: each
-            such module's ``reset_parameters()``. See ``fczero/meta_init.py``.
+            such module's ``reset_parameters()``. See ``fczero/core/meta_init.py``.
         meta_init: how a meta-device model is initialized: ``"module"`` (the default; one
             module whole at a time, exactly the values of a whole-model init) or
             ``"shard"`` (each rank allocates and initializes only its shards, so no whole
             param ever exists; random values then differ from a whole init as
-            ``fczero/meta_init.py`` says).
+            ``fczero/core/meta_init.py`` says).
         **deprecated: the options of earlier versions (``param_dtype``, ``bucket_bytes``,
             ``offload_params``, ...) still work and warn with their new spelling
             (docs/api.md lists them).

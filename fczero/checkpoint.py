@@ -37,9 +37,9 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from fczero import stages
+from fczero.core.state import root_state
 from fczero.offload import params as param_offload
-from fczero.state import root_state
+from fczero.runtime import stages
 
 logger = logging.getLogger("fczero")
 

@@ -43,8 +43,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fczero
 from fczero import checkpoint
+from fczero.comm.meshes import check_device_available, cuda_unavailable_reason
 from fczero.data import VOCAB_SIZE, WindowSampler, encode, load_corpus
-from fczero.meshes import check_device_available, cuda_unavailable_reason
 from fczero.models import Llama, LlamaConfig
 from fczero.train_report import (
     LEGEND,
@@ -52,9 +52,9 @@ from fczero.train_report import (
     LossMeter,
     StepClock,
     Summary,
-    steps_label,
     header_line,
     peak_memory,
+    steps_label,
     summary_line,
 )
 

@@ -32,7 +32,7 @@ def fake_pg(request):
 def no_pinned_memory(monkeypatch):
     """As if on a CUDA machine where every pinned allocation fails (no host memory to back it);
     fczero's once-per-process warnings are reset so the test sees its own."""
-    from fczero.offload import streams
+    from fczero.core import streams
 
     monkeypatch.setattr(streams, "_warned", set())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

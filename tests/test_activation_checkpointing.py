@@ -110,7 +110,7 @@ def _count_gathers(rank: int, world_size: int, mode: str, reshard: bool):
 GATHER_CASES = {
     # stage 3 without AC: the weights that matmuls save for an input grad (4: the first
     # Linear's input needs no grad, so its weight is not saved), regathered as one bucket
-    # (fczero/eager_buckets.py; the recompute's gathers below are not bucketed)
+    # (fczero/runtime/eager_buckets.py; the recompute's gathers below are not bucketed)
     ("none", True): 1,
     ("full", True): BLOCK_PARAMS + 1,  # recompute regathers each block param, + head weight
     ("selective", True): BLOCK_PARAMS + 1,  # the policy saves matmuls, not gathers

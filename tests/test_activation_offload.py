@@ -22,8 +22,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fczero
-from fczero.memory import op_name
-from fczero.offload import streams
+from fczero.core import streams
+from fczero.core.memory import op_name
 from fczero.offload.activations import offload_activations, planned_peak
 from fczero.offload.partition import recorded_plans
 from fczero.testing import backends

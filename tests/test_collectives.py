@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fczero import collectives
+from fczero.comm import collectives
 from fczero.testing.distributed import run_on_ranks
 
 

@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor
 
 import fczero
 from fczero.api import OPTION_NAMES
-from fczero.config import DEPRECATED
-from fczero.state import root_state
+from fczero.core.config import DEPRECATED
+from fczero.core.state import root_state
 from tests.models import ThreeBlocks, TwoLayer
 
 

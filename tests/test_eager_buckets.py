@@ -1,4 +1,4 @@
-"""Eager bucketing (``fczero/eager_buckets.py``): from the second forward on, consecutive
+"""Eager bucketing (``fczero/runtime/eager_buckets.py``): from the second forward on, consecutive
 gathers go out as one all-gather and their grads come back through one reduce-scatter,
 with numerics unchanged."""
 
@@ -9,8 +9,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import fczero
-from fczero import eager_buckets, prefetch
-from fczero.state import module_state, root_state
+from fczero.core.state import module_state, root_state
+from fczero.runtime import eager_buckets, prefetch
 from fczero.testing import parity
 from fczero.testing.comm import CollectiveLog
 from fczero.testing.distributed import run_on_ranks
@@ -117,7 +117,7 @@ def test_bucket_members_are_plain_slices_waited_by_their_consumer(fake_pg):
     """[Note: plain bucket slices]: on an asynchronous group a bucket's members are plain
     slices of the one all-gather; whichever member is waited first waits for the
     collective, and nothing stays pending once every member was handed off."""
-    from fczero.collectives import wait_on
+    from fczero.comm.collectives import wait_on
     from fczero.testing.distributed import pending_collectives
 
     def hand_off(spec, param, piece):  # what eager prefetch does with a bucket's member

@@ -1,5 +1,5 @@
 """No silent hangs: with ``check_policy=CheckPolicy()``, ranks that would issue different
-collectives get a clear error within seconds (fczero/consistency.py).
+collectives get a clear error within seconds (fczero/comm/consistency.py).
 
 Each case makes the ranks differ on purpose: a graph break on one rank, a recompile on
 one rank (from a rank-dependent Python value or shape), a rank-dependent branch in
@@ -241,7 +241,7 @@ def test_inductor_hands_every_compiled_graph_to_the_check(fake_pg, monkeypatch):
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 
-    from fczero import consistency
+    from fczero.comm import consistency
 
     seen: list[tuple[str, list[str], str]] = []
     monkeypatch.setattr(

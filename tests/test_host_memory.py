@@ -1,4 +1,4 @@
-"""The host-memory check ([Note: host memory check] in ``fczero/offload/host_memory.py``):
+"""The host-memory check ([Note: host memory check] in ``fczero/core/host_memory.py``):
 an offload that will not fit in host memory is refused before anything moves, with the
 bytes needed and available in the message; one that fits goes on.
 
@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fczero
-from fczero.offload import host_memory
+from fczero.core import host_memory
 from fczero.testing.distributed import gpu_world_size, run_on_ranks
 
 

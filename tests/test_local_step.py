@@ -1,4 +1,4 @@
-"""The optimizer step on local shards ([Note: local step] in fczero/local_step.py).
+"""The optimizer step on local shards ([Note: local step] in fczero/runtime/local_step.py).
 
 On two gloo ranks: elementwise optimizers give bitwise the same params and states as the
 same optimizer stepping DTensors (a subclass, which fczero leaves on DTensors), and
@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fczero
-from fczero import local_step
+from fczero.runtime import local_step
 from fczero.testing.distributed import run_on_ranks
 from tests.models import UnevenTiedMLP
 from tests.test_offload_optimizer import _train as train_steps

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import fczero
-from fczero import guards
+from fczero.runtime import guards
 from fczero.testing.distributed import run_on_ranks
 from tests.models import TwoLayer, UnevenTiedMLP
 

@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 
 import fczero
-from fczero.offload import ops, streams
+from fczero.core import streams
+from fczero.offload import ops
 from fczero.testing.distributed import run_on_ranks
 
 pytestmark = [

@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch._dynamo.testing import AotEagerAndRecordGraphs
 
-from fczero.memory import op_name
-from fczero.offload import ops, streams
+from fczero.core import streams
+from fczero.core.memory import op_name
+from fczero.offload import ops
 
 OPS = {
     "offload": lambda: (torch.randn(3, 5, requires_grad=True),),

@@ -16,8 +16,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import fczero
+from fczero.core import streams
 from fczero.offload import optimizer as offload_optimizer
-from fczero.offload import streams
 from fczero.testing.distributed import run_on_ranks
 from tests.models import UnevenTiedMLP
 
@@ -133,7 +133,7 @@ def test_auto_device_bytes_keeps_what_the_budget_leaves_above_the_peak(
 ):
     """``device_bytes="auto"``: the peak before the first step (injected: CPU has none)
     leaves room for inp.weight's two states (260 bytes each), as in the test above."""
-    from fczero import memory
+    from fczero.core import memory
 
     peaks = []
     monkeypatch.setattr(memory, "peak_allocated", lambda device: peaks.append(device) or 10**6)
@@ -188,7 +188,7 @@ def test_auto_device_bytes_without_a_budget_or_peak_offloads_everything(caplog):
 def test_a_budget_below_the_peak_without_states_names_the_minimum(monkeypatch, chunk_bytes):
     """Offloading every state cannot bring forward and backward (injected peak) within the
     budget: the first step raises before anything is stepped, naming the peak."""
-    from fczero import memory
+    from fczero.core import memory
 
     monkeypatch.setattr(memory, "peak_allocated", lambda device: 10**6)
     torch.manual_seed(0)
@@ -213,7 +213,7 @@ def test_auto_device_bytes_below_the_default_budget_offloads_everything(monkeypa
     """Without a budget of the user's, "auto" plans within the default one (90% of the
     device): a peak above it is no error (the user asked for none), every state is
     offloaded and one warning says why."""
-    from fczero import memory
+    from fczero.core import memory
 
     monkeypatch.setattr(memory, "peak_allocated", lambda device: 10**6)
     monkeypatch.setattr(
@@ -239,7 +239,7 @@ def test_auto_device_bytes_takes_the_parallelized_models_budget(fake_pg, monkeyp
     """One budget: without its own, the offload plans within parallelize's memory_budget."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fczero import memory
+    from fczero.core import memory
 
     monkeypatch.setattr(memory, "peak_allocated", lambda device: 3 * 2**20)
     model = fczero.parallelize(
@@ -415,7 +415,7 @@ def test_chunked_step_runs_fczeros_step_hooks_once_per_step(fake_pg):
     every param (here only the later chunks hold stale ones), and step counts count once."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fczero.stages import root_state
+    from fczero.runtime.stages import root_state
     from tests.models import ThreeBlocks
 
     model = ThreeBlocks()

@@ -41,7 +41,7 @@ def test_on_a_cpu_mesh_the_shards_stay_and_it_says_so(fake_pg, caplog):
 def test_grads_go_to_pageable_memory_with_one_warning_when_pinning_fails(no_pinned_memory):
     """Pinned memory that cannot be had mid-backward is no crash: the grad's host buffer is
     pageable, and a warning says so once."""
-    from fczero.offload import streams
+    from fczero.core import streams
 
     grads = [torch.randn(3, 4), torch.randn(5)]
     with pytest.warns(RuntimeWarning, match="pageable memory") as record:
@@ -54,7 +54,7 @@ def test_the_compiled_backward_allocates_the_grad_buffer_through_fczero(monkeypa
     """[Note: the grad's host buffer is an op]: the compiled backward calls the op, which takes
     its buffer from ``streams.host_buffer`` (pinned, from the caching host allocator), instead
     of a buffer Inductor allocates itself (pageable in torch 2.11)."""
-    from fczero.offload import streams
+    from fczero.core import streams
 
     seen = []
     real = streams.host_buffer

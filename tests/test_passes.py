@@ -19,10 +19,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fczero
-from fczero.memory import live_bytes
-from fczero.passes.schedule import allocated_peak
+from fczero.core.memory import live_bytes
 from fczero.passes import PassSettings, run_passes
 from fczero.passes.install import FczeroPostGradPass
+from fczero.passes.schedule import allocated_peak
 from fczero.testing import backends
 from fczero.testing.distributed import run_on_ranks
 from fczero.testing.graphs import collective_sequence, render

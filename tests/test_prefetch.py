@@ -135,8 +135,8 @@ def test_every_eager_gather_is_waited():
 def test_per_step_bookkeeping_grows_with_params_not_their_square(fake_pg, monkeypatch):
     """Eager prefetch and the backward's regathers keep running byte counts: one step
     looks at each param's size a bounded number of times, however many params there are."""
+    from fczero.core.spec import ShardSpec
     from fczero.models.llama import Llama, LlamaConfig
-    from fczero.spec import ShardSpec
 
     calls = []
     size_of = ShardSpec.unsharded_bytes

@@ -9,7 +9,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import fczero
-from fczero import collectives, resharding
+from fczero.comm import collectives
+from fczero.runtime import resharding
 from fczero.testing.comm import CollectiveLog
 from fczero.testing.distributed import pending_collectives, run_on_ranks
 from tests.models import TwoLayer

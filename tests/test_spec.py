@@ -9,8 +9,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fczero
-from fczero.config import Options
-from fczero.spec import shard_tensor
+from fczero.core.config import Options
+from fczero.core.spec import shard_tensor
 
 
 @pytest.mark.parametrize("fake_pg", [4], indirect=True)
@@ -40,7 +40,7 @@ def test_eager_local_gives_the_grad_to_local_gives(fake_pg):
     same DTensor grad as ``to_local()``'s backward, without a new spec per grad."""
     from torch.nn import Parameter
 
-    from fczero.spec import eager_local
+    from fczero.core.spec import eager_local
 
     mesh = init_device_mesh("cpu", (2,))
     grads = []

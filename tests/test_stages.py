@@ -8,6 +8,7 @@ reference.
 from __future__ import annotations
 
 import inspect
+
 import pytest
 import torch
 from torch._dynamo.testing import AotEagerAndRecordGraphs, CompileCounterWithBackend
@@ -15,13 +16,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fczero
-from fczero import stages
+from fczero.runtime import stages
 from fczero.testing import backends, parity
 from fczero.testing.distributed import gpu_world_size, run_on_ranks
 from fczero.testing.graphs import collective_sequence
 from tests.models import TwoLayer, UnevenTiedMLP, mlp_batches, tiny_llama, token_batches
 from tests.test_numerics import BF16, BF16_MP, BF16_OPTS, FP32, Case, run_cases
-
 
 CASES = [
     Case("mlp", options=(("stage", 1),)),

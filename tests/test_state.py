@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fczero
-from fczero.state import ModuleState, ParamState, module_state, optimizer_state, root_state
+from fczero.core.state import ModuleState, ParamState, module_state, optimizer_state, root_state
 from tests.models import ThreeBlocks, UnevenTiedMLP
 
 

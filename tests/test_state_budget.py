@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from fczero import memory
+from fczero.core import memory
 from fczero.offload import state_budget
 
 CPU = torch.device("cpu")

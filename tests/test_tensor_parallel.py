@@ -24,8 +24,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import fczero
-from fczero import resharding
-from fczero.state import module_state
+from fczero.core.state import module_state
+from fczero.runtime import resharding
 from fczero.testing import parity
 from fczero.testing.comm import CollectiveLog
 from fczero.testing.distributed import run_on_ranks

@@ -9,13 +9,13 @@ from torch._dynamo.testing import AotEagerAndRecordGraphs, CompileCounterWithBac
 from torch.distributed.device_mesh import init_device_mesh
 
 import fczero
+from fczero.core import memory, unsharding
+from fczero.core.state import module_state, root_state
+from fczero.core.unsharding import block_of
 from fczero.testing import parity
 from fczero.testing.comm import CollectiveLog
 from fczero.testing.distributed import run_on_ranks
 from fczero.testing.graphs import collective_sequence, saved_unsharded
-from fczero import memory, unsharding
-from fczero.state import module_state, root_state
-from fczero.unsharding import block_of
 from tests.models import ThreeBlocks, block_batches
 from tests.test_accumulation import _setup as accumulation_setup
 from tests.test_accumulation import train_accumulating

@@ -35,7 +35,7 @@ from itertools import pairwise
 import torch
 import torch.fx as fx
 
-from fczero.memory import live_bytes, nbytes, peak_bytes, storage_root
+from fczero.core.memory import live_bytes, nbytes, peak_bytes, storage_root
 from fczero.offload import ops  # noqa: F401 - registers torch.ops.fczero.*
 from fczero.passes.graph_utils import fake_mode_of, insert, position
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from fczero.offload import streams
+from fczero.core import streams
 
 __all__ = ["offload", "offload_wait", "reload", "reload_wait"]
 

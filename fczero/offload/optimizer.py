@@ -52,9 +52,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fczero.offload import host_memory, state_budget, streams
-from fczero.stages import one_step_in_parts
-from fczero.state import OptimizerState, compute_device_of, optimizer_state, options_of
+from fczero.core import host_memory, streams
+from fczero.core.state import OptimizerState, compute_device_of, optimizer_state, options_of
+from fczero.offload import state_budget
+from fczero.runtime.stages import one_step_in_parts
 
 logger = logging.getLogger("fczero")
 

@@ -22,8 +22,8 @@ So the device holds no persistent param, grad or optimizer state: only the gathe
 params of the blocks in use, activations and temporaries. This is what FSDP2's
 ``CPUOffloadPolicy`` does too; the price is the host-side step and one device copy
 of every shard per gather. Before the optimizer writes the host shards, fczero waits
-for the device (``wait_for_device``): a copy from pinned memory still in flight must
-not read a half-updated shard.
+for the device (``fczero.core.streams.wait_for_device``): a copy from pinned memory
+still in flight must not read a half-updated shard.
 
 On a CPU mesh the shards are in host memory already: the option changes nothing and
 says so once in the log.
@@ -39,10 +39,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fczero.offload import streams
+from fczero.core import streams
 
 if TYPE_CHECKING:
-    from fczero.spec import ShardSpec
+    from fczero.core.spec import ShardSpec
 
 logger = logging.getLogger("fczero")
 
@@ -60,12 +60,6 @@ def to_host(
         nn.Parameter(moved, requires_grad=param.requires_grad),
         dataclasses.replace(spec, compute_device=device),
     )
-
-
-def wait_for_device(devices: set[torch.device]) -> None:
-    """Block until the device has finished the copies that read host shards."""
-    for device in devices:
-        torch.cuda.synchronize(device)
 
 
 def full_tensor(value: DTensor) -> torch.Tensor:

@@ -20,9 +20,10 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor import config as inductor_config
 
-from fczero.offload import streams
+from fczero.core import streams
 from fczero.offload.activations import ActivationPlan, offload_activations
 from fczero.passes import registry
+from fczero.passes.install import code_hash
 
 logger = logging.getLogger("fczero")
 
@@ -63,7 +64,7 @@ def partition(gm: fx.GraphModule, joint_inputs, *, base=None, **kwargs):
 
 
 try:  # torch 2.11 and 2.13 both have it; guard anyway for clear failure
-    from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
 except ImportError:  # pragma: no cover - older torch
     CustomPartitionerFn = None
 
@@ -86,10 +87,8 @@ if CustomPartitionerFn is not None:
                 if uuid is None:
                     return None
                 parts = repr(uuid).encode()
-            files = tuple(sorted(str(p) for p in Path(__file__).parent.glob("*.py")))
-            files += (str(Path(__file__).parent.parent / "memory.py"),)
             return hashlib.sha256(
-                get_hash_for_files(files) + parts + repr(registry.snapshot()).encode()
+                code_hash(Path(__file__).parent) + parts + repr(registry.snapshot()).encode()
             ).digest()
 
 

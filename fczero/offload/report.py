@@ -19,11 +19,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fczero.core.state import root_state
+from fczero.core.unsharding import report_line
 from fczero.offload.activations import ActivationPlan
 from fczero.offload.optimizer import OptimizerOffload, OptimizerOffloadSummary
 from fczero.offload.partition import recorded_plans
-from fczero.state import root_state
-from fczero.unsharding import report_line
 
 logger = logging.getLogger("fczero")
 

@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from fczero.memory import budget_and_peak
+from fczero.core.memory import budget_and_peak
 
 logger = logging.getLogger("fczero")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from fczero import consistency
+from fczero.comm import consistency
 from fczero.passes.all_reduce import bucket_all_reduces_pass
 from fczero.passes.bucketing import bucket_all_gathers_pass, bucket_reduce_scatters_pass
 from fczero.passes.registry import PassSettings, settings_for_graph

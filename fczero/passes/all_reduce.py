@@ -21,7 +21,7 @@ import logging
 
 import torch.fx as fx
 
-from fczero.memory import op_name
+from fczero.comm.graph_ops import op_name
 from fczero.passes.bucketing import _bucket, flatten_inputs, hand_out, slices
 from fczero.passes.graph_utils import c10d, insert, position
 from fczero.passes.matching import Collective, _only_wait

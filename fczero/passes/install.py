@@ -51,10 +51,21 @@ class FczeroPostGradPass(CustomGraphPass):
             if uuid is None:
                 return None  # the user's pass cannot be cached: neither can the chain
             parts.append(repr(uuid))
-        files = tuple(sorted(str(p) for p in Path(__file__).parent.glob("*.py")))
-        files += (str(Path(__file__).parent.parent / "memory.py"),)
         extra = "|".join(parts) + repr(registry.snapshot())
-        return hashlib.sha256(get_hash_for_files(files) + extra.encode()).digest()
+        return hashlib.sha256(code_hash(Path(__file__).parent) + extra.encode()).digest()
+
+
+#: Modules outside a pass folder whose code decides what the passes do.
+_SHARED_SOURCES = ("comm/graph_ops.py", "core/memory.py")
+
+
+def code_hash(folder: Path) -> bytes:
+    """A hash of the code behind a graph hook: ``folder``'s modules and the shared ones
+    (part of its ``uuid``, so Inductor's FX graph cache misses when that code changes)."""
+    package = Path(__file__).parent.parent
+    files = sorted(str(p) for p in folder.glob("*.py"))
+    files += [str(package / name) for name in _SHARED_SOURCES]
+    return get_hash_for_files(tuple(files))
 
 
 def install() -> None:
@@ -70,4 +81,4 @@ def install() -> None:
     )
 
 
-__all__ = ["FczeroPostGradPass", "install"]
+__all__ = ["FczeroPostGradPass", "code_hash", "install"]

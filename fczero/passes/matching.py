@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from fczero.memory import nbytes, op_name
-from fczero.unsharding import block_of
+from fczero.comm.graph_ops import op_name
+from fczero.core.memory import nbytes
+from fczero.core.unsharding import block_of
 
 # Ops allowed between a graph input and the all-gather of a gather.
 _SHARD_PREP = {

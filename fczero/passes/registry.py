@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from fczero.memory import op_name
+from fczero.comm.graph_ops import collective_group
 
 
 @dataclass(frozen=True)
@@ -65,15 +65,10 @@ def snapshot() -> tuple:
     return tuple(sorted((k, repr(v)) for k, v in _BY_GROUP.items()))
 
 
-#: Where each collective fczero issues takes its process group's name.
-_GROUP_ARG = {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 3, "all_reduce": 2}
-
-
 def settings_for_graph(graph: fx.Graph) -> PassSettings | None:
     """The settings of the (first) registered group the graph communicates on, if any."""
     for node in graph.nodes:
-        if node.op == "call_function" and op_name(node) in _GROUP_ARG:
-            name = node.args[_GROUP_ARG[op_name(node)]]
-            if name in _BY_GROUP:
-                return _BY_GROUP[name]
+        name = collective_group(node)
+        if name in _BY_GROUP:
+            return _BY_GROUP[name]
     return None

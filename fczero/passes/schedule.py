@@ -25,7 +25,7 @@ Each decision reads shapes and graph order only, so it is the same on every rank
 
 ``one_in_flight_pass`` runs last, and only on gloo groups: each collective's wait moves
 up to just after it, where the collective was issued (see [Note: one gloo collective in
-flight] in ``fczero/collectives.py``). Where collectives are issued does not change.
+flight] in ``fczero/comm/collectives.py``). Where collectives are issued does not change.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ import logging
 
 import torch.fx as fx
 
-from fczero import collectives
-from fczero.memory import live_bytes, nbytes, op_name, peak_bytes
+from fczero.comm import collectives
+from fczero.comm.graph_ops import collective_group, op_name
+from fczero.core.memory import live_bytes, nbytes, peak_bytes
 from fczero.passes.graph_utils import move_before, position
 from fczero.passes.matching import find_gathers, find_reduces
 
@@ -157,9 +158,6 @@ def prefetch_all_gathers_pass(
     return gm
 
 
-_ISSUES = {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"}
-
-
 def one_in_flight_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphModule:
     """On gloo groups, wait for each collective right after it is issued."""
     serial = {g for g in groups if collectives.one_at_a_time(g)}
@@ -167,9 +165,7 @@ def one_in_flight_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphModule:
         return gm
     moved = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or op_name(node) not in _ISSUES:
-            continue
-        if node.args[-1] not in serial:  # every one of them takes its group name last
+        if collective_group(node) not in serial:
             continue
         waits = [u for u in node.users if op_name(u) == "wait_tensor"]
         for wait in waits:

@@ -12,14 +12,10 @@ import re
 
 import torch
 
-from fczero.memory import op_name, storage_root
+from fczero.comm.graph_ops import GROUP_ARG, op_name
+from fczero.core.memory import storage_root
 
-COLLECTIVE_OPS = (
-    "all_gather_into_tensor",
-    "reduce_scatter_tensor",
-    "all_reduce",
-    "wait_tensor",
-)
+COLLECTIVE_OPS = (*GROUP_ARG, "wait_tensor")
 
 
 def render(gm: torch.fx.GraphModule) -> str:

@@ -117,8 +117,8 @@ def train_parallel(
     from torch.distributed.device_mesh import init_device_mesh
 
     import fczero
+    from fczero.core.spec import mesh_device
     from fczero.offload.params import full_tensor
-    from fczero.spec import mesh_device
 
     torch.manual_seed(seed)
     model = build()

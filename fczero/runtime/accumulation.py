@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
-from fczero.state import ParamState, root_state
+from fczero.core.state import ParamState, root_state
 
 logger = logging.getLogger("fczero")
 

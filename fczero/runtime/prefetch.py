@@ -10,7 +10,7 @@ stream while the current module computes; it is waited when handed to the module
 If a forward asks for params in another order than recorded (a data-dependent
 branch), prefetching stops for that forward and the order is recorded anew.
 
-Replayed gathers are bucketed (``fczero.eager_buckets``): consecutive gathers up to
+Replayed gathers are bucketed (``fczero.runtime.eager_buckets``): consecutive gathers up to
 ``bucket_bytes`` go out as one all-gather, and their grads come back through one
 reduce-scatter.
 
@@ -30,11 +30,12 @@ import torch
 import torch.utils.checkpoint
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from fczero import collectives, consistency, eager_buckets, resharding
-from fczero.spec import eager_local
+from fczero.comm import collectives, consistency
+from fczero.core.spec import eager_local
+from fczero.runtime import eager_buckets, resharding
 
 if TYPE_CHECKING:
-    from fczero.spec import ShardSpec
+    from fczero.core.spec import ShardSpec
 
 logger = logging.getLogger("fczero")
 
@@ -166,7 +167,7 @@ def _gather_now(spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
 
 def hand_over(spec: ShardSpec, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """An eager gather on its way to the module: noted for the collective check, and
-    (stage 3) recorded so that saving it packs a recipe (``fczero.resharding``)."""
+    (stage 3) recorded so that saving it packs a recipe (``fczero.runtime.resharding``)."""
     consistency.note_gather(spec.shape, spec.param_dtype)
     if not spec.keep_unsharded:
         resharding.register_gathered(full, spec, param)

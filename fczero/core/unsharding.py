@@ -21,7 +21,7 @@ gathered param for backward; in eager mode the reshard scope leaves it out.
 
 While gradients accumulate (``fczero.no_sync``), a kept param is gathered once per
 accumulation, eager and compiled: the micro-batches after the first reuse that gather,
-up to the synced micro-batch (``fczero.state.ParamState.reused``).
+up to the synced micro-batch (``fczero.core.state.ParamState.reused``).
 
 [Note: automatic selective unsharding]
 ``keep_unsharded="auto"`` sizes the kept blocks from ``memory_budget`` instead of by
@@ -59,14 +59,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from fczero.memory import budget_and_peak
-from fczero.state import root_state
+from fczero.core.memory import budget_and_peak
+from fczero.core.state import root_state
 
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from fczero.spec import ShardSpec
-    from fczero.state import ParamState
+    from fczero.core.spec import ShardSpec
+    from fczero.core.state import ParamState
 
 #: Optimizer steps that run as pure stage 3 before the automatic plan is made.
 AUTO_PLAN_AFTER_STEPS = 2

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fczero.comm.graph_ops import op_name
+
 # Ops whose output aliases their first argument's storage.
 _ALIASING = {
     "view",
@@ -39,16 +41,6 @@ _ALIASING = {
     "view_as",
     "split_with_sizes",
 }
-
-
-def op_name(node: fx.Node) -> str:
-    """``aten.view.default`` -> ``view``; ``_c10d_functional.wait_tensor.default`` -> ``wait_tensor``."""
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name.split("::")[-1]
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name.split("::")[-1]
-    return getattr(target, "__name__", str(target))
 
 
 def nbytes(node: fx.Node) -> int:

@@ -3,7 +3,7 @@
 [Note: eager buckets]
 Compiled graphs get their buckets from a graph pass; an eager forward has no graph, but
 from its second step on it has the order in which its params are gathered
-(``fczero.prefetch``), the same on every rank. ``plan`` cuts that order into buckets:
+(``fczero.runtime.prefetch``), the same on every rank. ``plan`` cuts that order into buckets:
 runs of consecutive gathers of up to ``bucket_bytes`` unsharded bytes (at least one
 gather each) whose params share a process group and a gathered dtype. A 0-d param, a
 tensor-parallel one, one in host memory (``OffloadPolicy(params=True)``) and any gather inside a
@@ -23,7 +23,7 @@ reduce-scatter waits for the last of its members' grads: a bucket of one block r
 when that block's backward is done. A member that is never handed off (the order
 changed mid-forward) receives a zero grad here, and its param is gathered on its own
 instead, so the sum is still right. The copy at hand-off gives every member its own
-storage, which the eager reshard hooks (``fczero.resharding``) key on.
+storage, which the eager reshard hooks (``fczero.runtime.resharding``) key on.
 
 Backward's regathers of saved params are bucketed the same way (``regather_bucket``,
 no autograd): ``plan`` cuts the list of saved params, in the order first saved, and a
@@ -41,11 +41,11 @@ import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
-from fczero import collectives
-from fczero.spec import eager_local
+from fczero.comm import collectives
+from fczero.core.spec import eager_local
 
 if TYPE_CHECKING:
-    from fczero.spec import ShardSpec
+    from fczero.core.spec import ShardSpec
 
 
 @dataclass(frozen=True)

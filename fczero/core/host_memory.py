@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fczero.state import optimizer_state
+from fczero.core.state import optimizer_state
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

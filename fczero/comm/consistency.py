@@ -41,15 +41,9 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed import distributed_c10d as c10d
 
-from fczero.memory import op_name
+from fczero.comm.graph_ops import collective_group, op_name
 
 logger = logging.getLogger("fczero")
-
-_COLLECTIVES = {
-    "all_gather_into_tensor": -1,  # op name -> index of its group-name argument
-    "reduce_scatter_tensor": 3,
-    "all_reduce": 2,
-}
 
 _TIMEOUT_S: dict[str, float] = {}  # checked group name -> seconds to wait for the other ranks
 _GRAPHS: dict[str, int] = {}  # group name -> graphs checked so far on this rank
@@ -160,14 +154,10 @@ def graph_collectives(graph: fx.Graph) -> dict[str, list[str]]:
     """The collectives of ``graph`` on each checked group, in program order."""
     found: dict[str, list[str]] = {}
     for node in graph.nodes:
-        if node.op != "call_function":
+        group = collective_group(node)
+        if group is None or group not in _TIMEOUT_S:
             continue
         name = op_name(node)
-        if name not in _COLLECTIVES:
-            continue
-        group = node.args[_COLLECTIVES[name]]
-        if group not in _TIMEOUT_S:
-            continue
         val = node.meta.get("val")
         desc = name
         if isinstance(val, torch.Tensor):

@@ -63,8 +63,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fczero.config import Options
-from fczero.spec import ShardSpec, empty_shard, mesh_device, shard_tensor
+from fczero.core.config import Options
+from fczero.core.spec import ShardSpec, empty_shard, mesh_device, shard_tensor
 
 logger = logging.getLogger("fczero")
 
@@ -113,7 +113,7 @@ def plan(model: nn.Module, init_fn: InitFn | None, mode: str = "module") -> Meta
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(
             f"fczero: meta_init must be 'module' (initialize one module whole at a time: "
-            f"exact values) or 'shard' (never a whole param: see fczero/meta_init.py), got "
+            f"exact values) or 'shard' (never a whole param: see fczero/core/meta_init.py), got "
             f"{mode!r}."
         )
     if init_fn is not None and not callable(init_fn):

@@ -13,7 +13,7 @@ number of elements, then drops the padding rows. A 0-d param cannot be split alo
 dim 0: it is ``Replicate()`` and its grad is all-reduced.
 
 With HSDP or tensor parallelism the sharded param lives on a larger mesh and a
-tensor-parallel param is split from its local tensor; ``fczero.meshes`` says where
+tensor-parallel param is split from its local tensor; ``fczero.comm.meshes`` says where
 ([Note: mesh roles]), and ``shard_tensor`` takes that as a ``ParamLayout``.
 
 [Note: what a compiled gather reads]
@@ -45,16 +45,16 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from fczero import collectives
-from fczero.config import Options
-from fczero.offload.streams import to_device
+from fczero.comm import collectives
+from fczero.core.config import Options
+from fczero.core.streams import to_device
 
 if TYPE_CHECKING:
-    from fczero.meshes import ParamLayout, TensorParallelView
+    from fczero.comm.meshes import ParamLayout, TensorParallelView
 
 logger = logging.getLogger("fczero")
 
-#: The eager runtime's gather of one sharded param (``fczero.prefetch.eager_gather``).
+#: The eager runtime's gather of one sharded param (``fczero.runtime.prefetch.eager_gather``).
 EagerGather = Callable[["ShardSpec", torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class ShardSpec:
     group_size: int
     group_name: str
     options: Options
-    keep_unsharded: bool = False  # selective unsharding: see fczero/unsharding.py
+    keep_unsharded: bool = False  # selective unsharding: see fczero/core/unsharding.py
     replicate: tuple[int, str] | None = None  # HSDP: (size, group name) of the replicate axis
     tensor_parallel: TensorParallelView | None = None  # shows the module a TP DTensor
     # param offload: the shard lives on the host; gathers copy it to this device first
@@ -93,8 +93,8 @@ class ShardSpec:
 
     def unshard(self, param: torch.Tensor, eager_gather: EagerGather) -> torch.Tensor:
         """Sharded param (DTensor) -> unsharded param, differentiably: a plain tensor, or
-        for a tensor-parallel param the tensor-parallel DTensor (``fczero.meshes``).
-        ``eager_gather(spec, param)`` is the eager runtime's gather (``fczero.prefetch``),
+        for a tensor-parallel param the tensor-parallel DTensor (``fczero.comm.meshes``).
+        ``eager_gather(spec, param)`` is the eager runtime's gather (``fczero.runtime.prefetch``),
         used outside compiled graphs for params with rows."""
         full = self._unshard_local(param, eager_gather)
         if self.tensor_parallel is not None:
@@ -217,7 +217,7 @@ def shard_tensor(
 ) -> tuple[nn.Parameter, ShardSpec]:
     """Split a whole tensor (same on every rank) into this rank's sharded param.
 
-    ``mesh`` is the shard axis. ``layout`` (``fczero.meshes``) places the sharded param
+    ``mesh`` is the shard axis. ``layout`` (``fczero.comm.meshes``) places the sharded param
     on a larger mesh (HSDP, tensor parallelism); a tensor-parallel DTensor is split
     from its local tensor, which every rank of the shard axis holds the same.
     """

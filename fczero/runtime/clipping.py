@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fczero.spec import mesh_device
+from fczero.core.spec import mesh_device
 
 logger = logging.getLogger("fczero")
 

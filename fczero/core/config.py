@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch.distributed import fsdp as torch_fsdp
 
-from fczero.policies import (
+from fczero.core.policies import (
     AUTO,
     CheckPolicy,
     CommPolicy,

@@ -68,7 +68,7 @@ class CommPolicy:
     keep_unsharded: int | str = 0
     """Stage 3 with ``reshard_after_forward=True``: bytes of unsharded params that stay
     gathered from forward to backward and skip the backward all-gather (selective
-    unsharding, ``fczero/unsharding.py``): whole blocks, the last to run forward first.
+    unsharding, ``fczero/core/unsharding.py``): whole blocks, the last to run forward first.
     0: none. ``"auto"``: after the second optimizer step, what the measured peak leaves
     of ``memory_budget`` (CUDA only; elsewhere nothing is kept)."""
 
@@ -121,7 +121,7 @@ class OffloadPolicy:
 @dataclass(frozen=True, kw_only=True)
 class CheckPolicy:
     """Passing one turns on the check that every rank issues the same collectives
-    (``fczero/consistency.py``): the model and options at ``parallelize``, each compiled
+    (``fczero/comm/consistency.py``): the model and options at ``parallelize``, each compiled
     graph's collectives when it is compiled, each eager forward's gathers at its end. A
     difference raises ``fczero.CollectiveMismatchError`` naming the first differing
     collective instead of hanging. It costs a c10d store round trip per compiled graph

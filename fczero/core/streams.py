@@ -143,3 +143,10 @@ class _HostToDevice(torch.autograd.Function):
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``host`` (a shard in host memory) on ``device``; its grad comes back pinned."""
     return _HostToDevice.apply(host, device)
+
+
+def wait_for_device(devices: set[torch.device]) -> None:
+    """Block until each device has finished its queued copies (the optimizer step waits
+    so, under param offload, before it writes host shards a copy may still read)."""
+    for device in devices:
+        torch.cuda.synchronize(device)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from fczero import collectives
+from fczero.comm import collectives
 
 logger = logging.getLogger("fczero")
 

@@ -8,7 +8,7 @@ module runs forward eagerly, fczero installs saved-tensor hooks:
                (which param, and t's size/stride/offset within the gathered buffer)
     unpack(r): gather the param again (an all-gather in backward) -> view it as t was
 
-A tensor-parallel param (``fczero.meshes``) is shown to modules as a DTensor whose
+A tensor-parallel param (``fczero.comm.meshes``) is shown to modules as a DTensor whose
 local tensor is the gathered one; autograd saves such DTensors, so ``pack`` looks at
 a DTensor's local tensor and ``unpack`` wraps the regathered view the same way.
 
@@ -19,7 +19,7 @@ window in unsharded bytes (at least one), so the next all-gather runs while this
 layer's grads are computed; each is waited when it is unpacked, and any that backward
 never unpacks are waited when backward ends (a callback queued on the autograd engine).
 
-With eager buckets on (``fczero.eager_buckets``), the saved params are cut into buckets
+With eager buckets on (``fczero.runtime.eager_buckets``), the saved params are cut into buckets
 along that list, as forward's gathers are: a regather issues its whole bucket as one
 all-gather, and each member is copied out when it is unpacked.
 
@@ -42,10 +42,11 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fczero import collectives, eager_buckets
+from fczero.comm import collectives
+from fczero.runtime import eager_buckets
 
 if TYPE_CHECKING:
-    from fczero.spec import ShardSpec
+    from fczero.core.spec import ShardSpec
 
 
 @dataclass

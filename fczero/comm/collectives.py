@@ -11,7 +11,7 @@ Data parallelism averages gradients over ranks. Dividing before the sum lets the
 compiler fuse the division into the cast and bucket copy that precede the
 reduce-scatter, so the reduced shards come out as plain views (no kernel per param).
 
-HSDP (a replicate axis, see ``fczero.meshes``) adds one step to the backward: the
+HSDP (a replicate axis, see ``fczero.comm.meshes``) adds one step to the backward: the
 reduce-scattered shard is summed over the replicate group with an all-reduce, and
 the division covers both groups, so the grad is averaged over every rank.
 
@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 import torch
-import torch.nn.functional as F
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -89,7 +89,7 @@ def wait_on(t: torch.Tensor) -> torch.Tensor:
 
     [Note: plain bucket slices]
     An eager bucket hands its members out as plain slices of the one all-gather's result
-    (``fczero.eager_buckets``): an ``AsyncCollectiveTensor`` per member would cost a Python
+    (``fczero.runtime.eager_buckets``): an ``AsyncCollectiveTensor`` per member would cost a Python
     dispatch for every op on it. The collective is registered by its result's storage, so
     ``wait_tensor`` on any slice waits for it, and on a later slice finds nothing left to
     wait. Every consumer of a member (``eager_buckets.unsharded``, and ``settle`` for one

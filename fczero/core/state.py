@@ -2,10 +2,9 @@
 attribute (``_fczero``) through which a module, a model or an optimizer reaches it.
 
 - ``ParamState``: one sharded param: its ``ShardSpec``, its whole copy (stages 1/2), its
-  accumulated grads, its reused gather, its reduce route. Every managed param has one
-  (stage 3 too): the unsharded-param property asks it for the unsharded param, and the
-  plain case (stage 3, gradient sync on, nothing accumulated) goes to
-  ``ShardSpec.unshard`` unchanged.
+  accumulated grads, its reused gather, its reduce route, and the plain leaf compiled
+  graphs differentiate. Every managed param has one (stage 3 too); the unsharded-param
+  property (``fczero.runtime.wiring``) reads it to decide how to gather.
 - ``ModuleState``: the ``_fczero`` attribute of every module that owns sharded params or
   is a parallelized root: its params' states by name, and for a root its ``RootState``.
 - ``RootState``: one parallelized root (options, params in order, sync flag, the eager
@@ -23,18 +22,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fczero import collectives, prefetch, resharding
-from fczero.reducer import Reducer, Route, whole_param
-from fczero.spec import _local, _recompute_everything, sharded_grad
+from fczero.comm.reducer import Reducer, Route
+from fczero.core.spec import sharded_grad
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from fczero.config import Options
-    from fczero.spec import ShardSpec
+    from fczero.core.config import Options
+    from fczero.core.spec import ShardSpec
 
 #: The one attribute fczero sets: on managed modules and roots (a ``ModuleState``) and on
 #: optimizers that hold fczero params (an ``OptimizerState``).
@@ -108,7 +105,7 @@ class RootState:
         self.params: list[ParamState] = []  # registration order, identical on every rank
         self.reducer: Reducer | None = None
         self.reducer_key = -1
-        # selective unsharding (``fczero.unsharding``): the plan from keep_unsharded bytes
+        # selective unsharding (``fczero.core.unsharding``): the plan from keep_unsharded bytes
         # (a KeptPlan), or the automatic planner (an AutoUnsharding). Set by the layers
         # above, which own those types.
         self.kept: Any = None
@@ -122,7 +119,7 @@ class RootState:
 
     @property
     def sync(self) -> bool:
-        """Reduce grads in backward (False: accumulate, see ``fczero.accumulation``)."""
+        """Reduce grads in backward (False: accumulate, see ``fczero.runtime.accumulation``)."""
         return self._sync
 
     @sync.setter
@@ -180,71 +177,6 @@ class ParamState:
             param.grad = sharded_grad(grad, param._spec)
         else:  # accumulated over steps without zero_grad, as AccumulateGrad would
             param.grad._local_tensor.add_(grad)
-
-    def unshard(self, param: torch.Tensor) -> torch.Tensor:
-        """The unsharded param a module computes with (called on every access): ``param``
-        is the sharded param in eager, ``leaf`` when traced ([Note: what a compiled graph
-        differentiates]; the wiring passes it, so Dynamo never reads the DTensor)."""
-        spec = self.spec
-        grad_path = param.requires_grad and torch.is_grad_enabled()
-        accumulating = grad_path and not self.sync
-        pending = None
-        if grad_path and self.sync and self.acc is not None:
-            # The first synced use after accumulating: its backward adds what no_sync summed.
-            pending, self.acc = self.acc.grad, None
-        if self.whole is None and not accumulating and pending is None:
-            # only kept params ever hold a reused gather: the others skip the attribute
-            # (under compile each read would be one more guard, each write a side effect)
-            if spec.keep_unsharded and self.reused is not None:
-                self.reused = None
-            return spec.unshard(param, prefetch.eager_gather)
-        if self.whole is not None:
-            if not grad_path:
-                return self.whole
-            whole = self.whole
-        else:
-            whole = self._gather_without_grad(param)
-            if pending is not None and spec.keep_unsharded:
-                self.reused = None  # the accumulation's last micro-batch: the step follows
-        route, reducer = self.route, self.root.reducer
-        eager_stage1 = reducer is not None and route.index >= 0
-        if eager_stage1 and not accumulating and not collectives._tracing():
-            reducer.expect(route.index)  # one more grad for its bucket to wait for
-        local = self.spec._on_device(_local(param))  # (param offload: from the host)
-        return whole_param(local, whole, self.acc if accumulating else None, pending, route)
-
-    def _gather_without_grad(self, param: torch.Tensor) -> torch.Tensor:
-        """Stage 3 (or a 0-d param) while accumulating: the whole param, without the reduce
-        that the core gather's backward would issue."""
-        spec = self.spec
-        local = _local(param).detach()
-        if spec.is_scalar:
-            return collectives._to(spec._on_device(local), spec.param_dtype)
-        if spec.keep_unsharded:
-            return self._reuse_or_gather(local, param)
-        if torch.compiler.is_compiling():
-            return checkpoint(
-                spec._gather, local, use_reentrant=False, context_fn=_recompute_everything
-            )
-        full = spec._gather(local)
-        resharding.register_gathered(full, spec, param)  # saved views regather in backward
-        return full
-
-    def _reuse_or_gather(self, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-        """Selective unsharding while accumulating: the first micro-batch's gather serves
-        every later one, up to the synced micro-batch, which drops it. Eager also gathers
-        again when the sharded param changed in between (its version counter moved: the
-        DTensor's own, since in-place ops on a DTensor leave its local tensor's counter
-        alone); a compiled graph cannot read the counter and relies on the drop alone.
-        Under compile the first micro-batch's graph returns the gather (stored here) and
-        the later ones take it as an input."""
-        compiling = torch.compiler.is_compiling()
-        version = -1 if compiling else param._version
-        if self.reused is not None and (compiling or self.reused_version == version):
-            return self.reused
-        full = self.spec._gather(local)
-        self.reused, self.reused_version = full, version
-        return full
 
     def new_accumulator(self) -> None:
         """A leaf whose ``.grad`` collects this param's whole grads (reduce_dtype); the leaf

@@ -5,7 +5,7 @@ In every stage the module owns the sharded param and every optimizer sees only
 shards, so optimizer state is always sharded. In stages 1 and 2 each rank also keeps
 a *whole copy* of every param (in ``param_dtype`` if set), which is what the module
 reads: no all-gather in forward or backward. Its backward reduces the whole grad to
-the sharded grad (``fczero.reducer``): a reduce-scatter in stage 2, a bucketed
+the sharded grad (``fczero.comm.reducer``): a reduce-scatter in stage 2, a bucketed
 all-reduce in stage 1.
 
 The whole copies are refreshed in place, by a bucketed all-gather of the updated
@@ -15,7 +15,7 @@ step over the same params, so every rank issues the same all-gathers. Refreshing
 place keeps each copy the same tensor, so compiled graphs that read it are not
 recompiled. After changing shards any other way, call ``fczero.refresh_params``.
 
-``attach`` gives every managed param its ``ParamState`` (``fczero.state``) and every
+``attach`` gives every managed param its ``ParamState`` (``fczero.core.state``) and every
 managed module its ``ModuleState``; the optimizer step hooks here serve every stage
 (accumulation checks, param-offload waits, the local step, the refresh).
 """
@@ -37,12 +37,11 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from fczero import accumulation, collectives, guards, local_step
-from fczero.offload import host_memory
-from fczero.offload import params as param_offload
-from fczero.reducer import REDUCERS, Reducer, Route
-from fczero.spec import mesh_device
-from fczero.state import (
+from fczero.comm import collectives
+from fczero.comm.reducer import REDUCERS, Reducer, Route
+from fczero.core import host_memory, streams
+from fczero.core.spec import mesh_device
+from fczero.core.state import (
     OptimizerState,
     ParamState,
     RootState,
@@ -52,10 +51,11 @@ from fczero.state import (
     root_state,
     state_of,
 )
+from fczero.runtime import accumulation, guards, local_step
 
 if TYPE_CHECKING:
-    from fczero.config import Options
-    from fczero.spec import ShardSpec
+    from fczero.core.config import Options
+    from fczero.core.spec import ShardSpec
 
 logger = logging.getLogger("fczero")
 
@@ -215,7 +215,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
     devices = {s.spec.compute_device for s in states} - {None}
     if devices:
         host_memory.check_host_step(optimizer, [s.param for s in states if s.spec.compute_device])
-        param_offload.wait_for_device(devices)
+        streams.wait_for_device(devices)
     local_step.enter(optimizer, [s.param for s in states])
 
 

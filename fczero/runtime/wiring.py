@@ -1,0 +1,124 @@
+"""Module wiring: what a module gets when it reads one of its sharded params.
+
+[Note: module wiring]
+Each module that owns params gets a subclass of its own class (cached per class and
+names) in which every param name is a read-only property returning the unsharded
+param. ``module._parameters`` still holds the sharded param, so state dicts keep
+their keys and values, and ``torch.compile`` traces the property like any Python.
+Nothing in torch is patched.
+
+Reading the property runs ``unsharded_param`` on the param's ``ParamState``
+(``fczero.core.state``). The plain case (stage 3, gradient sync on, nothing
+accumulated) is ``ShardSpec.unshard`` with the eager runtime's gather
+(``prefetch.eager_gather``); a whole copy (stages 1/2) or an accumulating
+micro-batch goes through the reducer's ``whole_param`` instead, whose backward
+reduces or accumulates the whole grad.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from fczero.comm import collectives
+from fczero.comm.reducer import whole_param
+from fczero.core.spec import _local, _recompute_everything
+from fczero.core.state import ATTR, ParamState
+from fczero.runtime import prefetch, resharding
+
+_WIRED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def _unsharded_property(name: str) -> property:
+    def get(module: nn.Module) -> torch.Tensor:
+        state = getattr(module, ATTR).params[name]
+        if torch.compiler.is_compiling():  # the sharded DTensor stays out of the graph
+            return unsharded_param(state, state.leaf)
+        return unsharded_param(state, module._parameters[name])
+
+    return property(get, doc=f"Unsharded {name!r}, gathered by fczero on each access.")
+
+
+def wire_module(module: nn.Module, names: Iterable[str]) -> None:
+    """Make ``module.<name>`` return the unsharded param for every name in ``names`` (its
+    ``ParamState`` in the module's ``ModuleState`` says how to get it)."""
+    cls = type(module)
+    key = (cls, tuple(sorted(names)))
+    wired = _WIRED_CLASSES.get(key)
+    if wired is None:
+        attrs = {name: _unsharded_property(name) for name in key[1]}
+        attrs["__module__"] = cls.__module__
+        wired = type(f"FCZero{cls.__name__}", (cls,), attrs)
+        _WIRED_CLASSES[key] = wired
+    module.__class__ = wired
+
+
+def unsharded_param(state: ParamState, param: torch.Tensor) -> torch.Tensor:
+    """The unsharded param a module computes with (called on every access): ``param``
+    is the sharded param in eager, ``state.leaf`` when traced ([Note: what a compiled
+    graph differentiates] in ``fczero.core.state``; so Dynamo never reads the DTensor)."""
+    spec = state.spec
+    grad_path = param.requires_grad and torch.is_grad_enabled()
+    accumulating = grad_path and not state.sync
+    pending = None
+    if grad_path and state.sync and state.acc is not None:
+        # The first synced use after accumulating: its backward adds what no_sync summed.
+        pending, state.acc = state.acc.grad, None
+    if state.whole is None and not accumulating and pending is None:
+        # only kept params ever hold a reused gather: the others skip the attribute
+        # (under compile each read would be one more guard, each write a side effect)
+        if spec.keep_unsharded and state.reused is not None:
+            state.reused = None
+        return spec.unshard(param, prefetch.eager_gather)
+    if state.whole is not None:
+        if not grad_path:
+            return state.whole
+        whole = state.whole
+    else:
+        whole = _gather_without_grad(state, param)
+        if pending is not None and spec.keep_unsharded:
+            state.reused = None  # the accumulation's last micro-batch: the step follows
+    route, reducer = state.route, state.root.reducer
+    eager_stage1 = reducer is not None and route.index >= 0
+    if eager_stage1 and not accumulating and not collectives._tracing():
+        reducer.expect(route.index)  # one more grad for its bucket to wait for
+    local = spec._on_device(_local(param))  # (param offload: from the host)
+    return whole_param(local, whole, state.acc if accumulating else None, pending, route)
+
+
+def _gather_without_grad(state: ParamState, param: torch.Tensor) -> torch.Tensor:
+    """Stage 3 (or a 0-d param) while accumulating: the whole param, without the reduce
+    that the core gather's backward would issue."""
+    spec = state.spec
+    local = _local(param).detach()
+    if spec.is_scalar:
+        return collectives._to(spec._on_device(local), spec.param_dtype)
+    if spec.keep_unsharded:
+        return _reuse_or_gather(state, local, param)
+    if torch.compiler.is_compiling():
+        return checkpoint(
+            spec._gather, local, use_reentrant=False, context_fn=_recompute_everything
+        )
+    full = spec._gather(local)
+    resharding.register_gathered(full, spec, param)  # saved views regather in backward
+    return full
+
+
+def _reuse_or_gather(state: ParamState, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """Selective unsharding while accumulating: the first micro-batch's gather serves
+    every later one, up to the synced micro-batch, which drops it. Eager also gathers
+    again when the sharded param changed in between (its version counter moved: the
+    DTensor's own, since in-place ops on a DTensor leave its local tensor's counter
+    alone); a compiled graph cannot read the counter and relies on the drop alone.
+    Under compile the first micro-batch's graph returns the gather (stored in the state)
+    and the later ones take it as an input."""
+    compiling = torch.compiler.is_compiling()
+    version = -1 if compiling else param._version
+    if state.reused is not None and (compiling or state.reused_version == version):
+        return state.reused
+    full = state.spec._gather(local)
+    state.reused, state.reused_version = full, version
+    return full
