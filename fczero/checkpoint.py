@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from fczero.comm import collectives
 from fczero.core.state import root_state
 from fczero.offload import params as param_offload
 from fczero.runtime import stages
@@ -107,7 +108,7 @@ def save(
     rank0 = _rank() == 0
     if rank0:  # a crashed earlier save may have left its partial directory
         shutil.rmtree(partial, ignore_errors=True)
-    _barrier()
+    collectives.barrier()
 
     state = _state(model, optimizer)
     state[_META] = {
@@ -122,10 +123,8 @@ def save(
         dcp.save(state, checkpoint_id=partial, no_dist=_single())
 
     error = _put_in_place(partial, path, old) if rank0 else None
-    if dist.is_initialized():  # every rank returns, or raises, once the checkpoint is in place
-        shared = [error]
-        dist.broadcast_object_list(shared, src=0)
-        error = shared[0]
+    # every rank returns, or raises, once the checkpoint is in place
+    error = collectives.broadcast_object(error)
     if error is not None:
         raise OSError(
             f"fczero.checkpoint.save: the checkpoint was written to {partial!r} but could not "
@@ -474,8 +473,3 @@ def _quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
         yield
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()

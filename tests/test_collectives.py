@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from fczero.comm import collectives
+from fczero.comm.buckets import plan_items
 from fczero.testing.distributed import run_on_ranks
 
 
@@ -43,6 +44,6 @@ def test_gather_then_averaged_reduce_on_two_ranks():
 
 def test_one_planner_cuts_consecutive_equal_keys_within_the_cap():
     items = [("a", 4), ("a", 4), ("a", 4), ("b", 1), (None, 1), ("b", 1), ("b", 10), ("b", 1)]
-    assert collectives.plan_buckets(items, 8) == [[0, 1], [2], [3], [4], [5], [6], [7]]
-    assert collectives.plan_buckets(items, 100) == [[0, 1, 2], [3], [4], [5, 6, 7]]
-    assert collectives.plan_buckets([], 8) == []
+    assert plan_items(items, 8) == [[0, 1], [2], [3], [4], [5], [6], [7]]
+    assert plan_items(items, 100) == [[0, 1, 2], [3], [4], [5, 6, 7]]
+    assert plan_items([], 8) == []

@@ -1,4 +1,4 @@
-"""The gather and the reduce: the only module that names collective ops.
+"""The gather and the reduce: the only module that issues collective ops.
 
 A sharded param becomes an unsharded param through one differentiable step,
 ``gather_shard``, whose backward is the reduce:
@@ -20,11 +20,15 @@ Both directions call ``torch.ops._c10d_functional`` ops, so eager mode returns a
 ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` / ``wait_tensor`` nodes that
 the compiler can move. A 0-d param cannot be split along dim 0; it is replicated and
 its grad is all-reduced instead (``replicate_scalar``).
+
+The last section holds the eager c10d collectives with which ranks decide something
+together outside any graph (a minimum headroom, a finite-grad flag, the grad norm, rank
+0's value of a replicated param, a checkpoint's outcome).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -100,24 +104,6 @@ def wait_on(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def plan_buckets(items: Sequence[tuple[Hashable | None, int]], cap: int) -> list[list[int]]:
-    """The one eager bucket planner: ``items`` are (key, bytes) in issue order; consecutive
-    items with equal keys share a bucket while its bytes stay within ``cap`` (an item larger
-    than ``cap`` gets a bucket of its own); a ``None`` key never shares. Returns every
-    position, in order, cut into buckets. Every rank plans from the same items, so every
-    rank issues the same collectives."""
-    buckets: list[list[int]] = []
-    key, size = None, 0
-    for i, (this_key, nbytes) in enumerate(items):
-        if buckets and this_key is not None and this_key == key and size + nbytes <= cap:
-            buckets[-1].append(i)
-            size += nbytes
-        else:
-            buckets.append([i])
-            key, size = this_key, nbytes
-    return buckets
-
-
 def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` with zero rows appended along dim 0 up to ``rows`` (itself when it has them):
     every rank's shard padded to the same size, so all ranks gather equal elements."""
@@ -135,6 +121,40 @@ def all_gather_waited(shard: torch.Tensor, group_size: int, group_name: str) -> 
     """Concatenate every rank's ``shard`` along dim 0, waited (a plain tensor)."""
     out = _c10d.all_gather_into_tensor(shard.contiguous(), group_size, group_name)
     return _c10d.wait_tensor(out)
+
+
+def all_gather_flat(
+    shards: Sequence[torch.Tensor],
+    rows_per_rank: Sequence[int],
+    dtype: torch.dtype | None,
+    group_size: int,
+    group_name: str,
+    *,
+    waited: bool = False,
+) -> list[torch.Tensor]:
+    """One all-gather for several shards: each padded to its rows per rank, cast to
+    ``dtype`` (None: kept), flattened and laid end to end. Per shard, its
+    ``[group_size, padded numel]`` columns of the result: plain slices, waited by their
+    consumers ([Note: plain bucket slices]) unless ``waited``.
+
+        flat = cat([pad(s1).view(-1), pad(s2).view(-1)])      # this rank's piece
+        out  = all_gather(flat).view(world, -1)               # rank r's piece in row r
+        s1's columns: out[:, :n1]; s2's: out[:, n1:n1 + n2]
+    """
+    pieces = [_to(pad_rows(s, rows), dtype).reshape(-1) for s, rows in zip(shards, rows_per_rank)]
+    flat = torch.cat(pieces)
+    if waited:
+        gathered = all_gather_waited(flat, group_size, group_name)
+    else:
+        gathered = all_gather(flat, group_size, group_name)
+        if isinstance(gathered, AsyncCollectiveTensor):
+            gathered = gathered.elem
+    by_rank = gathered.view(group_size, -1)
+    columns, offset = [], 0
+    for piece in pieces:
+        columns.append(by_rank[:, offset : offset + piece.numel()])
+        offset += piece.numel()
+    return columns
 
 
 def wait(t: torch.Tensor) -> torch.Tensor:
@@ -236,3 +256,31 @@ def replicate_scalar(
     return _ReplicateScalar.apply(
         local, group_size, group_name, param_dtype, reduce_dtype, replicate
     )
+
+
+# ---- eager c10d collectives: values the ranks settle together, never in a graph ----
+
+
+def reduce_in_place(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> None:
+    """Replace ``t`` with its reduction by ``op`` over ``group`` (None: the default group)."""
+    dist.all_reduce(t, op=op, group=group)
+
+
+def broadcast_from_first(t: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Replace ``t`` with the value that the first rank of ``group`` holds."""
+    dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
+
+
+def broadcast_object(value: object) -> object:
+    """Rank 0's ``value`` on every rank (``value`` itself without a process group)."""
+    if not dist.is_initialized():
+        return value
+    shared = [value]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def barrier() -> None:
+    """Wait for every rank of the default group (nothing without a process group)."""
+    if dist.is_initialized():
+        dist.barrier()

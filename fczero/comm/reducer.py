@@ -30,6 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from fczero.comm import collectives
+from fczero.comm.buckets import plan_items
 
 logger = logging.getLogger("fczero")
 
@@ -219,4 +220,4 @@ def _plan(params: list[tuple[DTensor, Route, torch.Size]], bucket_bytes: int) ->
         (params[i][1].reduce_dtype, params[i][2].numel() * params[i][1].reduce_dtype.itemsize)
         for i in order
     ]
-    return [[order[j] for j in bucket] for bucket in collectives.plan_buckets(items, bucket_bytes)]
+    return [[order[j] for j in bucket] for bucket in plan_items(items, bucket_bytes)]

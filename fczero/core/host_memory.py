@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from fczero.comm import collectives
 from fczero.core.state import optimizer_state
 
 if TYPE_CHECKING:
@@ -311,7 +312,7 @@ def check_param_offload(
 
     def agree(short: int) -> int:
         worst = torch.tensor([short], dtype=torch.int64, device=device)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        collectives.reduce_in_place(worst, dist.ReduceOp.MAX, mesh.get_group())
         return int(worst.item())
 
     require(

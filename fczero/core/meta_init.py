@@ -59,10 +59,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from fczero.comm import collectives
 from fczero.core.config import Options
 from fczero.core.spec import ShardSpec, empty_shard, mesh_device, shard_tensor
 
@@ -241,8 +241,7 @@ def _init_shards(
             module._parameters.update(metas)  # parallelize swaps in the shards by meta param
         for param in own.values():
             if param.dim() == 0:  # replicated: every rank takes rank 0's value
-                group = mesh.get_group()
-                dist.broadcast(param.to_local(), src=dist.get_global_rank(group, 0), group=group)
+                collectives.broadcast_from_first(param.to_local(), mesh.get_group())
     logger.info(
         "initialized %d meta modules shard by shard (no whole param allocated)",
         len(meta_plan.modules),

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from fczero.comm import collectives
 from fczero.core.memory import budget_and_peak
 from fczero.core.state import root_state
 
@@ -181,7 +182,7 @@ class AutoUnsharding:
         budget, peak = measured
         headroom = torch.tensor([budget - peak], dtype=torch.int64, device=self.device)
         for group in self.groups:
-            dist.all_reduce(headroom, op=dist.ReduceOp.MIN, group=group)
+            collectives.reduce_in_place(headroom, dist.ReduceOp.MIN, group)
         spare = int(headroom.item())
         source = (
             f"auto after {self.steps} steps: memory_budget {budget / 2**20:.1f} MiB - "

@@ -11,7 +11,7 @@ there), and each member gets its slice back:
                                              w1 = w[:n1].view(shape1)
                                              w2 = w[n1:].view(shape2)
 
-Buckets come from ``bucketing.plan_buckets`` (program order, whole blocks, at most
+Buckets come from ``bucketing.plan_collective_buckets`` (program order, whole blocks, at most
 ``bucket_bytes``), which reads shapes and module paths only: every rank forms the same.
 """
 

@@ -34,6 +34,7 @@ import logging
 import torch
 import torch.fx as fx
 
+from fczero.comm.buckets import Unit, plan_buckets
 from fczero.passes.graph_utils import (
     aten,
     c10d,
@@ -50,10 +51,11 @@ logger = logging.getLogger("fczero")
 _MIN_BUCKET = 1 << 20  # 1 MiB: a lone norm weight is not worth its own collective
 
 
-def plan_buckets(
+def plan_collective_buckets(
     collectives: list[Collective], bucket_bytes: int, itemsize: int | None = None
 ) -> list[list[Collective]]:
-    """Group collectives (in program order) into buckets of whole blocks.
+    """Group collectives (in program order) into buckets of whole blocks, with the one
+    planner (``fczero.comm.buckets``): a block is a unit, keyed by group and dtype.
 
     A block's collectives stay together (split only if the block alone exceeds
     ``bucket_bytes``), also when a neighbouring block's collectives come between them
@@ -68,30 +70,17 @@ def plan_buckets(
     reduce-scatters as its bf16 params make all-gathers; None counts their own bytes.
     """
     blocks = _blocks(collectives)
-    buckets: list[list[Collective]] = []
-    size = 0
-    for i, block in enumerate(blocks):
-        block_size = sum(c.bytes_as(itemsize) for c in block)
-        alone = len(blocks) >= 3 and i in (1, len(blocks) - 1)  # joins neither neighbour
-        fits = (
-            bool(buckets)
-            and not alone
-            and _same_kind(block[0], buckets[-1][0])
-            and (size + block_size <= bucket_bytes or size < _MIN_BUCKET)
+    units = [
+        Unit(
+            _kind(block[0]),
+            tuple(c.bytes_as(itemsize) for c in block),
+            joins=not (len(blocks) >= 3 and i in (1, len(blocks) - 1)),  # [Note: small ends]
         )
-        if fits:
-            buckets[-1].extend(block)
-            size += block_size
-            continue
-        buckets.append([])
-        size = 0
-        for c in block:  # a block larger than the cap is split at the cap
-            if buckets[-1] and size + c.bytes_as(itemsize) > bucket_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(c)
-            size += c.bytes_as(itemsize)
-    return buckets
+        for i, block in enumerate(blocks)
+    ]
+    in_order = [c for block in blocks for c in block]
+    planned = plan_buckets(units, bucket_bytes, floor=_MIN_BUCKET)
+    return [[in_order[i] for i in bucket] for bucket in planned]
 
 
 def _blocks(collectives: list[Collective]) -> list[list[Collective]]:
@@ -101,7 +90,7 @@ def _blocks(collectives: list[Collective]) -> list[list[Collective]]:
     blocks: list[list[Collective]] = []
     for c in collectives:
         home = next(
-            (b for b in blocks[-2:] if b[0].block == c.block and _same_kind(b[0], c)), None
+            (b for b in blocks[-2:] if b[0].block == c.block and _kind(b[0]) == _kind(c)), None
         )
         if home is not None:
             home.append(c)
@@ -110,8 +99,8 @@ def _blocks(collectives: list[Collective]) -> list[list[Collective]]:
     return blocks
 
 
-def _same_kind(a: Collective, b: Collective) -> bool:
-    return (a.group_name, a.dtype) == (b.group_name, b.dtype)
+def _kind(c: Collective) -> tuple:
+    return (c.group_name, c.dtype)
 
 
 def bucket_all_gathers_pass(
@@ -123,7 +112,7 @@ def bucket_all_gathers_pass(
 def bucket_reduce_scatters_pass(
     gm: fx.GraphModule, groups: set[str], bucket_bytes: int, itemsize: int | None = None
 ) -> fx.GraphModule:
-    """``itemsize``: see ``plan_buckets`` (the bytes of an element of ``param_dtype``)."""
+    """``itemsize``: see ``plan_collective_buckets`` (the bytes of an element of ``param_dtype``)."""
     reduces = find_reduces(gm.graph, groups)
     return _bucket(gm, reduces, bucket_bytes, _merge_reduces, "reduce-scatters", itemsize)
 
@@ -136,7 +125,9 @@ def _bucket(
     what: str,
     itemsize: int | None = None,
 ) -> fx.GraphModule:
-    buckets = [b for b in plan_buckets(collectives, bucket_bytes, itemsize) if len(b) > 1]
+    buckets = [
+        b for b in plan_collective_buckets(collectives, bucket_bytes, itemsize) if len(b) > 1
+    ]
     if not buckets:
         return gm
     graph = gm.graph

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from fczero.comm import collectives
 from fczero.core.spec import mesh_device
 
 logger = logging.getLogger("fczero")
@@ -95,7 +96,7 @@ def clip_grad_norm_(
         local = _local_norm(locals_, norm_type, foreach).to(comm)
         local = local if inf else local.pow(norm_type)
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-        dist.all_reduce(local, op=op, group=example.device_mesh.get_group())
+        collectives.reduce_in_place(local, op, example.device_mesh.get_group())
         parts.append(local.to(device))
     if whole:
         local = _local_norm(whole, norm_type, foreach).to(device)

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from fczero.comm import collectives
+from fczero.comm.buckets import plan_items
 from fczero.core.spec import eager_local
 
 if TYPE_CHECKING:
@@ -89,29 +89,18 @@ def plan(entries: list[tuple[ShardSpec, torch.Tensor, bool]], bucket_bytes: int)
         )
         for spec, param, in_place in entries
     ]
-    return [b for b in collectives.plan_buckets(items, bucket_bytes) if len(b) > 1]
+    return [b for b in plan_items(items, bucket_bytes) if len(b) > 1]
 
 
 def _gather_flat(
     spec0: ShardSpec, layouts: tuple[_Layout, ...], shards: list[torch.Tensor]
 ) -> list[torch.Tensor]:
-    """One all-gather of the padded, cast shards laid end to end; per member, its
-    ``[world, numel]`` view of the result (asynchronous in eager)."""
-    world = spec0.group_size
-    pieces = []
-    for shard, layout in zip(shards, layouts):
-        shard = collectives.pad_rows(shard, layout.rows_per_rank)
-        pieces.append(collectives._to(shard, spec0.param_dtype).reshape(-1))
-    gathered = collectives.all_gather(torch.cat(pieces), world, spec0.group_name)
-    # plain slices, waited by their consumers ([Note: plain bucket slices])
-    if isinstance(gathered, AsyncCollectiveTensor):
-        gathered = gathered.elem
-    by_rank = gathered.view(world, -1)
-    outs, offset = [], 0
-    for layout in layouts:
-        outs.append(by_rank[:, offset : offset + layout.numel])
-        offset += layout.numel
-    return outs
+    """One all-gather of the bucket's shards; per member, its ``[world, numel]`` view of
+    the result (asynchronous in eager)."""
+    rows = [layout.rows_per_rank for layout in layouts]
+    return collectives.all_gather_flat(
+        shards, rows, spec0.param_dtype, spec0.group_size, spec0.group_name
+    )
 
 
 def _layouts(members: list[tuple[ShardSpec, torch.Tensor]]) -> tuple[_Layout, ...]:

@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fczero.comm import collectives
+
 logger = logging.getLogger("fczero")
 
 
@@ -45,7 +47,7 @@ def check_finite_grads(model: nn.Module, *, raise_error: bool = True) -> list[st
     if meshes:
         (mesh,) = meshes
         group = mesh.get_group() if mesh.ndim == 1 else None
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+        collectives.reduce_in_place(flags, dist.ReduceOp.MIN, group)
     bad = [name for (name, _), ok in zip(named, flags.tolist(), strict=True) if not ok]
     if bad and raise_error:
         shown = ", ".join(repr(n) for n in bad[:5]) + (" ..." if len(bad) > 5 else "")

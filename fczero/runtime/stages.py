@@ -38,6 +38,7 @@ from torch.optim.optimizer import (
 )
 
 from fczero.comm import collectives
+from fczero.comm.buckets import plan_items
 from fczero.comm.reducer import REDUCERS, Reducer, Route
 from fczero.core import host_memory, streams
 from fczero.core.spec import mesh_device
@@ -133,29 +134,25 @@ def refresh(states: list[ParamState]) -> None:
     if not states:
         return
     items = [(s.whole.dtype, s.whole.numel() * s.whole.element_size()) for s in states]
-    for bucket in collectives.plan_buckets(items, states[0].root.options.comm.bucket_bytes):
+    for bucket in plan_items(items, states[0].root.options.comm.bucket_bytes):
         _gather_into_wholes([states[i] for i in bucket])
 
 
 @torch.no_grad()
 def _gather_into_wholes(bucket: list[ParamState]) -> None:
     spec0 = bucket[0].spec
-    world = spec0.group_size
-    pieces = []
-    for state in bucket:
+    columns = collectives.all_gather_flat(
+        [state.param.to_local() for state in bucket],
+        [state.spec.rows_per_rank for state in bucket],
+        bucket[0].whole.dtype,
+        spec0.group_size,
+        spec0.group_name,
+        waited=True,
+    )
+    for state, piece in zip(bucket, columns):
         spec = state.spec
-        local = state.param.to_local().to(state.whole.dtype)
-        pieces.append(collectives.pad_rows(local, spec.rows_per_rank).reshape(-1))
-    flat = torch.cat(pieces)
-    out = collectives.all_gather_waited(flat, world, spec0.group_name)
-    by_rank = out.view(world, -1)
-    offset = 0
-    for state, piece in zip(bucket, pieces):
-        n = piece.numel()
-        spec = state.spec
-        full = by_rank[:, offset : offset + n].reshape(world * spec.rows_per_rank, *spec.shape[1:])
+        full = piece.reshape(spec.group_size * spec.rows_per_rank, *spec.shape[1:])
         state.whole.copy_(full.narrow(0, 0, spec.shape[0]))
-        offset += n
 
 
 def refresh_params(model: nn.Module) -> None:
