@@ -26,7 +26,7 @@ from fczero.offload import params as param_offload
 from fczero.offload import partition as offload_partition
 from fczero.passes import registry
 from fczero.passes.install import install
-from fczero.runtime import guards, resharding, stages
+from fczero.runtime import guards, resharding, stages, step_hooks
 from fczero.runtime import prefetch as eager_prefetch
 from fczero.runtime.wiring import wire_module
 
@@ -213,6 +213,7 @@ def parallelize(
         options,
         dp_mesh,
     )
+    step_hooks.install()  # once per process: torch's optimizer step hooks are global
     root.kept = kept
     if selective and options.auto_unsharding:
         states = {id(state.param): state for state in root.params}

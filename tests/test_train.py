@@ -1,4 +1,6 @@
-"""The main job end to end (2 gloo processes), its command line, and its data module."""
+"""The main job (fczero/train.py) end to end on 2 gloo processes: its command line, its
+learning-rate schedule, checkpoints and restarts, and its numbers against a reference.
+Its data module is tested in tests/data/, its report in test_train_report.py."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fczero import train, train_report
-from fczero.data import VOCAB_SIZE, WindowSampler, decode, encode, load_corpus
+from fczero import train
+from fczero.data import WindowSampler, encode, load_corpus
 from fczero.models import Llama
 
 CPU = ("--device", "cpu", "--nproc", "2")  # gloo on 2 processes, also on a GPU machine
@@ -87,16 +89,6 @@ def test_cuda_without_cuda_fails_before_torch_does(monkeypatch):
         train._init_distributed("cuda")
 
 
-def test_step_clock_leaves_out_paused_time(monkeypatch):
-    now = iter([0.0, 1.0, 3.0, 5.0, 6.0])  # creation, pause start, pause end, lap, lap
-    monkeypatch.setattr(train_report.StepClock, "_now", staticmethod(lambda: next(now)))
-    clock = train_report.StepClock()
-    with clock.paused():
-        pass
-    assert clock.lap() == 3.0  # 5 s less the 2 s paused
-    assert clock.lap() == 1.0
-
-
 def test_lr_schedule_warms_up_then_decays():
     factor = train._lr_schedule(100)
     values = [factor(step) for step in range(100)]
@@ -104,46 +96,6 @@ def test_lr_schedule_warms_up_then_decays():
     assert values[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in itertools.pairwise(values[9:]))
     assert values[-1] == pytest.approx(0.1, abs=1e-3)
-
-
-def test_corpus_round_trips_through_the_byte_tokenizer():
-    text = load_corpus()
-    assert len(text) > 20_000
-    tokens = encode(text)
-    assert tokens.dtype == torch.long and tokens.dim() == 1
-    assert 0 <= int(tokens.min()) and int(tokens.max()) < VOCAB_SIZE
-    assert decode(tokens) == text
-    assert decode(encode("naïve café")) == "naïve café"  # multi-byte UTF-8
-
-
-def test_window_sampler_shapes_and_contiguity():
-    tokens = encode(load_corpus())
-    batch = WindowSampler(tokens, batch_size=4, seq_len=16, seed=3).next_batch()
-    assert batch.shape == (4, 17) and batch.dtype == torch.long
-    text = load_corpus()
-    for row in batch:
-        assert decode(row) in text  # a window is a contiguous slice of the corpus
-
-
-def test_window_sampler_is_deterministic_per_seed_and_rank():
-    tokens = encode(load_corpus())
-
-    def batches(seed: int, rank: int) -> list[torch.Tensor]:
-        sampler = WindowSampler(tokens, batch_size=8, seq_len=32, seed=seed, rank=rank)
-        return [sampler.next_batch() for _ in range(3)]
-
-    same = batches(seed=0, rank=1)
-    assert all(torch.equal(a, b) for a, b in zip(same, batches(seed=0, rank=1)))
-    assert not torch.equal(same[0], batches(seed=0, rank=0)[0])  # ranks see different data
-    assert not torch.equal(same[0], batches(seed=5, rank=1)[0])
-
-
-def test_window_sampler_covers_the_last_window():
-    tokens = torch.arange(10)
-    batch = WindowSampler(tokens, batch_size=256, seq_len=9).next_batch()  # only one window fits
-    assert torch.equal(batch, tokens.expand(256, 10))
-    with pytest.raises(ValueError, match="too few"):
-        WindowSampler(tokens, batch_size=1, seq_len=10)
 
 
 # -- checkpoints, restarts and long-run numerics --------------------------------------------
@@ -301,18 +253,6 @@ def test_200_steps_track_the_single_process_reference(mode, tmp_path):
     assert [step for step, _ in summary["losses"]] == list(range(1, 201))
     assert expected[-1] < expected[0] - 3.0  # the curve is not flat (about 6.1 -> 2.2)
     torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=1e-5, atol=1e-5)
-
-
-def test_window_sampler_skip_continues_the_stream():
-    tokens = encode(load_corpus())
-    whole = WindowSampler(tokens, batch_size=4, seq_len=8, seed=2, rank=1)
-    batches = [whole.next_batch() for _ in range(5)]
-    resumed = WindowSampler(tokens, batch_size=4, seq_len=8, seed=2, rank=1)
-    resumed.skip(3)
-    assert torch.equal(resumed.next_batch(), batches[3])
-    assert torch.equal(resumed.next_batch(), batches[4])
-    with pytest.raises(ValueError, match=">= 0"):
-        resumed.skip(-1)
 
 
 def test_relaunch_uses_a_free_rendezvous_port(monkeypatch):

@@ -1,4 +1,4 @@
-"""Where offload and reload copies run, and how their completion is found again.
+"""Host<->device copies: the streams they run on, and how their completion is found again.
 
 On CUDA every copy runs on one side stream per device. Before it is issued the side
 stream waits for the current stream (so the copy reads finished data and writes into

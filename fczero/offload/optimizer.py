@@ -55,7 +55,7 @@ from torch.distributed.tensor import DTensor
 from fczero.core import host_memory, streams
 from fczero.core.state import OptimizerState, compute_device_of, optimizer_state, options_of
 from fczero.offload import state_budget
-from fczero.runtime.stages import one_step_in_parts
+from fczero.runtime.step_hooks import one_step_in_parts
 
 logger = logging.getLogger("fczero")
 

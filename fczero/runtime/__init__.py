@@ -9,7 +9,8 @@ Imports ``fczero.comm`` and ``fczero.core``; never the passes or the memory feat
 | prefetch.py      | eager gathers issued ahead, in the order recorded on an earlier step    |
 | eager_buckets.py | one all-gather (and one reduce-scatter) for a bucket of eager gathers   |
 | resharding.py    | eager stage 3: free gathered params after forward, regather in backward |
-| stages.py        | attach the states; stages 1/2 whole copies; the optimizer step hooks     |
+| stages.py        | attach the states; stages 1/2 whole copies and their refresh           |
+| step_hooks.py    | the global optimizer step hooks (checks, waits, local step, refresh)    |
 | local_step.py    | the optimizer step on local shards (elementwise optimizers)             |
 | accumulation.py  | ``no_sync`` / ``set_requires_gradient_sync`` and their checks            |
 | clipping.py      | ``clip_grad_norm_`` over sharded grads                                  |

@@ -134,7 +134,7 @@ def _stale_param_hook(name: str) -> Callable[[torch.Tensor], None]:
 
 def check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
     """Refuse to step an optimizer that holds params ``parallelize`` replaced (checked once;
-    called first by fczero's one optimizer pre-step hook, ``stages._before_step``)."""
+    called first by fczero's one optimizer pre-step hook, ``step_hooks._before_step``)."""
     if optimizer in _CHECKED_OPTIMIZERS:
         return
     stale = [

@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2, and the per-param state that gradient accumulation uses.
+"""The states of a parallelized model, and ZeRO stages 1 and 2's whole copies.
 
 [Note: whole copies]
 In every stage the module owns the sharded param and every optimizer sees only
@@ -16,43 +16,31 @@ place keeps each copy the same tensor, so compiled graphs that read it are not
 recompiled. After changing shards any other way, call ``fczero.refresh_params``.
 
 ``attach`` gives every managed param its ``ParamState`` (``fczero.core.state``) and every
-managed module its ``ModuleState``; the optimizer step hooks here serve every stage
-(accumulation checks, param-offload waits, the local step, the refresh).
+managed module its ``ModuleState``. The refresh runs from the optimizer step hooks
+(``fczero.runtime.step_hooks``), which serve every stage.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import weakref
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 
 from fczero.comm import collectives
 from fczero.comm.buckets import plan_items
 from fczero.comm.reducer import REDUCERS, Reducer, Route
-from fczero.core import host_memory, streams
 from fczero.core.spec import mesh_device
 from fczero.core.state import (
-    OptimizerState,
     ParamState,
     RootState,
     module_state,
-    optimizer_state,
     remember,
     root_state,
-    state_of,
 )
-from fczero.runtime import accumulation, guards, local_step
 
 if TYPE_CHECKING:
     from fczero.core.config import Options
@@ -117,7 +105,6 @@ def attach(
             name: by_param[id(module._parameters[name])] for name in names
         }
     module_state(model, create=True).root = root
-    _install_optimizer_hooks()
     return root
 
 
@@ -165,80 +152,3 @@ def refresh_params(model: nn.Module) -> None:
             "fczero.refresh_params needs the root module that fczero.parallelize returned."
         )
     refresh(root.params)
-
-
-@contextlib.contextmanager
-def one_step_in_parts(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """One optimizer step made of several ``optimizer.step()`` calls, each on a part of the
-    params (the chunked step of optimizer-state offload): fczero's global step hooks run
-    once, over all params, before the first part and after the last, and not around each
-    part (where they would check, wait or count per part)."""
-    guards.check_optimizer(optimizer, (), {})
-    _before_step(optimizer, (), {})
-    record = optimizer_state(optimizer)
-    record.in_parts = True
-    try:
-        yield
-    finally:
-        record.in_parts = False
-    _after_step(optimizer, (), {})
-
-
-def _states_of(optimizer: torch.optim.Optimizer) -> list[ParamState]:
-    """The fczero params ``optimizer`` holds, looked up again only when its params change."""
-    params = tuple(p for group in optimizer.param_groups for p in group["params"])
-    record = OptimizerState.of(optimizer)
-    # (the record holds its params alive, so identity cannot be reused by another tensor;
-    # the states are held weakly: the model alone keeps them alive)
-    if len(record.params) == len(params) and all(a is b for a, b in zip(record.params, params)):
-        states = [ref() for ref in record.states]
-        if None not in states:
-            return states
-    states = [s for s in map(state_of, params) if s is not None]
-    if states:  # an optimizer of other params gets no fczero attribute
-        record = optimizer_state(optimizer)
-        record.params, record.states = params, [weakref.ref(s) for s in states]
-    return states
-
-
-def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    """Refuse grads accumulated but never reduced; under param offload, wait for the
-    device, since the step writes host shards that device copies may still read."""
-    if OptimizerState.of(optimizer).in_parts:
-        return
-    guards.check_optimizer(optimizer, args, kwargs)
-    states = _states_of(optimizer)
-    accumulation.check_before_step(states)
-    devices = {s.spec.compute_device for s in states} - {None}
-    if devices:
-        host_memory.check_host_step(optimizer, [s.param for s in states if s.spec.compute_device])
-        streams.wait_for_device(devices)
-    local_step.enter(optimizer, [s.param for s in states])
-
-
-def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    local_step.restore(optimizer)
-    if OptimizerState.of(optimizer).in_parts:
-        return
-    roots: dict[int, tuple[RootState, set[int]]] = {}
-    for state in _states_of(optimizer):
-        wholes = roots.setdefault(id(state.root), (state.root, set()))[1]
-        if state.whole is not None:
-            wholes.add(id(state))
-    for root, ids in roots.values():
-        if ids:  # stages 1/2: refreshed in the root's order, not the optimizer's
-            refresh([s for s in root.params if id(s) in ids])
-        if root.auto_unsharding is not None:
-            root.auto_unsharding.after_step()
-
-
-_hooks_installed = False
-
-
-def _install_optimizer_hooks() -> None:
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    register_optimizer_step_pre_hook(_before_step)
-    register_optimizer_step_post_hook(_after_step)
-    _hooks_installed = True

@@ -16,6 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import fczero
+from fczero.core.spec import mesh_device
+from fczero.offload.params import full_tensor
+from fczero.testing.backends import BACKENDS
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -114,12 +120,6 @@ def train_parallel(
     ``configure_optimizer(optimizer)`` runs once the optimizer is built (e.g.
     ``fczero.offload_optimizer_states``).
     """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import fczero
-    from fczero.core.spec import mesh_device
-    from fczero.offload.params import full_tensor
-
     torch.manual_seed(seed)
     model = build()
     mesh = init_device_mesh(device_type, mesh_shape or (world_size,), mesh_dim_names=mesh_dim_names)
@@ -128,8 +128,6 @@ def train_parallel(
     fczero.parallelize(model, mesh, **options)
     step_fn: Callable[[torch.Tensor], torch.Tensor] = model
     if compile_backend is not None:
-        from fczero.testing.backends import BACKENDS
-
         step_fn = torch.compile(model, backend=BACKENDS.get(compile_backend, compile_backend))
     device = mesh_device(mesh)  # (not the params': with param offload they are on the host)
     data_rank, data_size = rank, world_size

@@ -1,0 +1,109 @@
+"""fczero's optimizer step hooks: what runs around every ``optimizer.step()``.
+
+torch's optimizer step hooks are global, so fczero registers one pre-hook and one
+post-hook per process (``install``), and each finds the fczero params of the optimizer
+that is stepping (its ``OptimizerState``, made on first use):
+
+    before: the misuse guards, the accumulation check, under param offload the host
+            memory check and a wait for the device's copies, the local step's swap
+    after:  the local step's restore, stages 1/2's refresh of the whole copies (in each
+            root's param order), automatic selective unsharding's step count
+
+``one_step_in_parts`` runs them once around a step made of several ``step()`` calls (the
+chunked step of optimizer-state offload).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from fczero.core import host_memory, streams
+from fczero.core.state import OptimizerState, ParamState, RootState, optimizer_state, state_of
+from fczero.runtime import accumulation, guards, local_step
+from fczero.runtime.stages import refresh
+
+
+@contextlib.contextmanager
+def one_step_in_parts(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """One optimizer step made of several ``optimizer.step()`` calls, each on a part of the
+    params (the chunked step of optimizer-state offload): fczero's global step hooks run
+    once, over all params, before the first part and after the last, and not around each
+    part (where they would check, wait or count per part)."""
+    guards.check_optimizer(optimizer, (), {})
+    _before_step(optimizer, (), {})
+    record = optimizer_state(optimizer)
+    record.in_parts = True
+    try:
+        yield
+    finally:
+        record.in_parts = False
+    _after_step(optimizer, (), {})
+
+
+def _states_of(optimizer: torch.optim.Optimizer) -> list[ParamState]:
+    """The fczero params ``optimizer`` holds, looked up again only when its params change."""
+    params = tuple(p for group in optimizer.param_groups for p in group["params"])
+    record = OptimizerState.of(optimizer)
+    # (the record holds its params alive, so identity cannot be reused by another tensor;
+    # the states are held weakly: the model alone keeps them alive)
+    if len(record.params) == len(params) and all(a is b for a, b in zip(record.params, params)):
+        states = [ref() for ref in record.states]
+        if None not in states:
+            return states
+    states = [s for s in map(state_of, params) if s is not None]
+    if states:  # an optimizer of other params gets no fczero attribute
+        record = optimizer_state(optimizer)
+        record.params, record.states = params, [weakref.ref(s) for s in states]
+    return states
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """Refuse grads accumulated but never reduced; under param offload, wait for the
+    device, since the step writes host shards that device copies may still read."""
+    if OptimizerState.of(optimizer).in_parts:
+        return
+    guards.check_optimizer(optimizer, args, kwargs)
+    states = _states_of(optimizer)
+    accumulation.check_before_step(states)
+    devices = {s.spec.compute_device for s in states} - {None}
+    if devices:
+        host_memory.check_host_step(optimizer, [s.param for s in states if s.spec.compute_device])
+        streams.wait_for_device(devices)
+    local_step.enter(optimizer, [s.param for s in states])
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    local_step.restore(optimizer)
+    if OptimizerState.of(optimizer).in_parts:
+        return
+    roots: dict[int, tuple[RootState, set[int]]] = {}
+    for state in _states_of(optimizer):
+        wholes = roots.setdefault(id(state.root), (state.root, set()))[1]
+        if state.whole is not None:
+            wholes.add(id(state))
+    for root, ids in roots.values():
+        if ids:  # stages 1/2: refreshed in the root's order, not the optimizer's
+            refresh([s for s in root.params if id(s) in ids])
+        if root.auto_unsharding is not None:
+            root.auto_unsharding.after_step()
+
+
+_hooks_installed = False
+
+
+def install() -> None:
+    """Register the two global step hooks, once per process."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    register_optimizer_step_pre_hook(_before_step)
+    register_optimizer_step_post_hook(_after_step)
+    _hooks_installed = True

@@ -1,0 +1,1 @@
+"""Tests of fczero/data/ (the main job's corpus, tokenizer and sampler)."""

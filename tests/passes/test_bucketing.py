@@ -1,0 +1,86 @@
+"""Bucketing (fczero/passes/bucketing.py): one all-gather and one reduce-scatter per
+bucket of whole blocks, the first and last block alone, reduces sized in the gathered dtype."""
+
+from __future__ import annotations
+
+import unittest
+
+from fczero.passes import run_passes
+from fczero.testing.graphs import collective_sequence
+from tests.passes import ThreeBlocksGraphs, settings
+
+
+class BucketingTest(ThreeBlocksGraphs):
+    def test_buckets_follow_blocks(self):
+        fw, bw = self.graphs()
+        self.assertEqual(len([c for c in collective_sequence(fw) if c.startswith("all_gather")]), 7)
+        run_passes(fw, settings())
+        run_passes(bw, settings())
+        # forward: blocks.0, blocks.1, blocks.2, and the 16 KiB head alone (the last block)
+        self.assertEqual(
+            [c for c in collective_sequence(fw) if c.startswith("all_gather")],
+            [
+                "all_gather_into_tensor[262656]",
+                "all_gather_into_tensor[262656]",
+                "all_gather_into_tensor[262656]",
+                "all_gather_into_tensor[8, 512]",
+            ],
+        )
+        # backward: one reduce-scatter per bucket, in the order the gradients become ready
+        self.assertEqual(
+            [c for c in collective_sequence(bw) if c.startswith("reduce_scatter")],
+            [
+                "reduce_scatter_tensor[4, 512]",  # head alone: the first block of backward
+                "reduce_scatter_tensor[131328]",
+                "reduce_scatter_tensor[131328]",
+                "reduce_scatter_tensor[131328]",
+            ],
+        )
+
+    def test_first_and_last_block_alone_whatever_the_cap(self):
+        # [Note: small ends]: a cap that holds the whole model still leaves the first and
+        # the last block on their own, and the middle blocks in one bucket
+        fw, bw = self.graphs()
+        run_passes(fw, settings(bucket_bytes=256 << 20))
+        run_passes(bw, settings(bucket_bytes=256 << 20))
+        self.assertEqual(
+            [c for c in collective_sequence(fw) if c.startswith("all_gather")],
+            [
+                "all_gather_into_tensor[262656]",  # blocks.0
+                "all_gather_into_tensor[525312]",  # blocks.1 + blocks.2
+                "all_gather_into_tensor[8, 512]",  # head
+            ],
+        )
+        self.assertEqual(
+            [c for c in collective_sequence(bw) if c.startswith("reduce_scatter")],
+            [
+                "reduce_scatter_tensor[4, 512]",  # head, the first grads of backward
+                "reduce_scatter_tensor[262656]",  # blocks.2 + blocks.1
+                "reduce_scatter_tensor[131328]",  # blocks.0, the last
+            ],
+        )
+
+    def test_reduces_are_sized_in_the_gathered_dtype(self):
+        # a block's fp32 grads are twice its bf16 params: counted at the param dtype's 2
+        # bytes a block is one reduce-scatter, as it is one all-gather; counted at their
+        # own 4 bytes the same cap splits every block
+        def reduces(itemsize):
+            _, bw = self.graphs()
+            run_passes(bw, settings(bucket_bytes=3 << 18, param_itemsize=itemsize))
+            return [c for c in collective_sequence(bw) if c.startswith("reduce_scatter")]
+
+        # at 2 bytes: the head alone, blocks 2 and 1 (a bucket under 1 MiB takes the next
+        # block), block 0 alone; at 4 bytes each block is over the cap and split
+        self.assertEqual(
+            reduces(2),
+            [
+                "reduce_scatter_tensor[4, 512]",
+                "reduce_scatter_tensor[262656]",
+                "reduce_scatter_tensor[131328]",
+            ],
+        )
+        self.assertEqual(len(reduces(None)), 7)  # the head, then each bias and weight apart
+
+
+if __name__ == "__main__":
+    unittest.main()

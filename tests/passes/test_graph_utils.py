@@ -1,0 +1,64 @@
+"""The FX helpers the passes share (fczero/passes/graph_utils.py): a node inserted with its
+fake value and the source metadata of the node it stands for, moves, and the stable
+topological sort that repairs a rewrite."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fczero.passes.graph_utils import (
+    aten,
+    fake_mode_of,
+    insert,
+    move_before,
+    position,
+    stable_topological_sort,
+)
+
+
+def _graph() -> tuple[fx.Graph, fx.Node, fx.Node]:
+    mode = FakeTensorMode()
+    g = fx.Graph()
+    x = g.placeholder("x")
+    with mode:
+        x.meta["val"] = torch.empty(4, 3)
+    y = g.call_function(aten.relu.default, (x,))
+    y.meta["val"] = x.meta["val"]
+    y.meta["nn_module_stack"] = {"blocks.1": ("blocks.1", torch.nn.Linear)}
+    g.output(y)
+    return g, x, y
+
+
+def test_an_inserted_node_has_its_fake_value_and_the_source_it_stands_for():
+    g, x, y = _graph()
+    mode = fake_mode_of(g)
+    assert mode is x.meta["val"].fake_mode
+    with g.inserting_after(y):
+        t = insert(g, mode, aten.t.default, (y,), like=y)
+    assert t.meta["val"].shape == (3, 4)
+    assert t.meta["nn_module_stack"] == y.meta["nn_module_stack"]
+
+
+def test_move_before_keeps_the_given_order():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    a, b, c = (g.call_function(aten.neg.default, (x,)) for _ in range(3))
+    g.output((a, b, c))
+    move_before([c, b], a)
+    assert [n for n in g.nodes if n.op == "call_function"] == [c, b, a]
+    assert position(g)[c] == 1
+
+
+def test_the_sort_moves_only_what_runs_before_its_input():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(aten.neg.default, (x,))
+    b = g.call_function(aten.relu.default, (a,))
+    c = g.call_function(aten.abs.default, (x,))
+    g.output((b, c))
+    b.append(a)  # a rewrite left a after its user b
+    stable_topological_sort(g)
+    assert list(g.nodes)[:4] == [x, a, b, c]
+    g.lint()

@@ -1,0 +1,151 @@
+"""Scheduling (fczero/passes/schedule.py): waits sink to their first use, gathers are
+prefetched under the memory budget, every rank places them alike, and on gloo each
+collective is waited where it is issued."""
+
+from __future__ import annotations
+
+import logging
+import unittest
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import fczero
+from fczero.passes import run_passes
+from fczero.passes.schedule import allocated_peak
+from fczero.testing import backends
+from fczero.testing.distributed import run_on_ranks
+from tests.models import ThreeBlocks, UnevenTiedMLP
+from tests.passes import PER_BLOCK, ThreeBlocksGraphs, settings
+
+
+class ScheduleTest(ThreeBlocksGraphs):
+    def test_reduce_scatters_are_waited_after_a_matmul(self):
+        # every reduce-scatter but the last is in flight across at least one matmul
+        _, bw = self.graphs()
+        run_passes(bw, settings())
+        names = [str(n.target) for n in bw.graph.nodes if n.op == "call_function"]
+        issued = [i for i, t in enumerate(names) if "reduce_scatter_tensor" in t]
+        waits = []
+        for node in bw.graph.nodes:
+            if "reduce_scatter_tensor" in str(node.target):
+                (wait,) = node.users
+                waits.append(wait)
+        order = {n: i for i, n in enumerate(n for n in bw.graph.nodes if n.op == "call_function")}
+        matmuls = [i for i, t in enumerate(names) if t in ("aten.mm.default", "aten.addmm.default")]
+        for start, wait in list(zip(issued, waits))[:-1]:
+            self.assertTrue(any(start < m < order[wait] for m in matmuls), names)
+
+    def test_prefetch_issues_the_next_gather_before_this_blocks_matmul(self):
+        fw, _ = self.graphs()
+        run_passes(fw, settings())
+        order = [n for n in fw.graph.nodes if n.op == "call_function"]
+        names = [str(n.target) for n in order]
+        gathers = [i for i, t in enumerate(names) if "all_gather_into_tensor" in t]
+        matmuls = [i for i, t in enumerate(names) if t in ("aten.addmm.default", "aten.mm.default")]
+        for gather, matmul in zip(gathers[1:], matmuls):
+            self.assertLess(gather, matmul)
+
+    def test_budget_too_small_runs_without_prefetch_and_says_so(self):
+        fw, _ = self.graphs()
+        with self.assertLogs("fczero", level=logging.WARNING) as logs:
+            run_passes(fw, settings(memory_budget=1))
+        self.assertIn("too small to prefetch any all-gather", "\n".join(logs.output))
+        names = [str(n.target) for n in fw.graph.nodes]
+        gathers = [i for i, t in enumerate(names) if "all_gather_into_tensor" in t]
+        waits = [i for i, t in enumerate(names) if "wait_tensor" in t]
+        # without prefetch each gather is issued after the previous bucket's compute
+        matmuls = [i for i, t in enumerate(names) if t == "aten.addmm.default"]
+        self.assertGreater(gathers[1], matmuls[0])
+        self.assertGreater(gathers[2], matmuls[1])
+        self.assertEqual(len(gathers), len(waits))
+
+    def test_budget_decides_how_far_ahead(self):
+        def placement(budget):
+            fw, _ = self.graphs()
+            run_passes(fw, settings(prefetch=2, memory_budget=budget))
+            names = [str(n.target) for n in fw.graph.nodes]
+            gathers = [i for i, t in enumerate(names) if "all_gather_into_tensor" in t]
+            matmuls = [i for i, t in enumerate(names) if t == "aten.addmm.default"]
+            return fw, gathers, matmuls
+
+        _, gathers, matmuls = placement(None)
+        self.assertLess(gathers[2], matmuls[0])  # unlimited: two buckets ahead
+        one_ahead, _ = self.graphs()
+        run_passes(one_ahead, settings(prefetch=1))
+        budget = allocated_peak(one_ahead.graph, {"0"})  # what one bucket ahead needs
+        fw, gathers, matmuls = placement(budget)
+        self.assertGreater(gathers[2], matmuls[0])  # the budget holds it to one ahead
+        self.assertLess(gathers[2], matmuls[1])
+        self.assertLessEqual(allocated_peak(fw.graph, {"0"}), budget)
+
+
+BUDGETS = [None, 0, 400, 800, 1200, 1600, 2000, 3000, 4000]  # bytes; tight ones split ranks before
+
+
+def _sequences(rank: int, world_size: int) -> list[list[list[str]]]:
+    out = []
+    for budget in BUDGETS:
+        torch._dynamo.reset()
+        backends.recorded.clear()
+        torch.manual_seed(0)
+        model = fczero.parallelize(
+            UnevenTiedMLP(),
+            init_device_mesh("cpu", (world_size,)),
+            comm_policy=fczero.CommPolicy(bucket_bytes=0),
+            memory_budget=budget,
+        )
+        compiled = torch.compile(model, backend=backends.aot_eager_with_passes)
+        compiled(torch.randn(4, 5)).sum().backward()
+        out.append([_order(g) for g in backends.recorded])
+    return out
+
+
+def _order(gm: torch.fx.GraphModule) -> list[str]:
+    """Collectives and matmuls in program order: where each gather was placed."""
+    keep = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "mm", "addmm")
+    return [
+        f"{n.target}{list(n.meta['val'].shape)}"
+        for n in gm.graph.nodes
+        if n.op == "call_function" and str(n.target).split(".")[1] in keep
+    ]
+
+
+def test_every_rank_issues_the_same_collectives():
+    """13 rows on 4 ranks: shards differ in real rows (4, 4, 4, 1); under any memory budget
+    the collectives, and where they sit among the matmuls, must not."""
+    per_rank = run_on_ranks(_sequences, 4)
+    assert all(graphs for graphs in per_rank[0])
+    for other in per_rank[1:]:
+        assert other == per_rank[0]
+
+
+def _gloo_schedule(rank: int, world_size: int) -> list[list[str]]:
+    torch._dynamo.reset()
+    backends.recorded.clear()
+    model = fczero.parallelize(
+        ThreeBlocks(), init_device_mesh("cpu", (world_size,)), comm_policy=fczero.CommPolicy(bucket_bytes=PER_BLOCK)
+    )
+    compiled = torch.compile(model, backend=backends.aot_eager_with_passes)
+    compiled(torch.randn(4, 512)).sum().backward()
+    keep = ("all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor", "addmm", "mm")
+    return [
+        [str(n.target).split(".")[1] for n in g.graph.nodes if n.op == "call_function"
+         and str(n.target).split(".")[1] in keep]
+        for g in backends.recorded
+    ]  # fmt: skip
+
+
+def test_gloo_waits_each_collective_where_it_is_issued():
+    """[Note: one gloo collective in flight]: on gloo the prefetch still issues block 1's
+    gather before block 0's matmul, and every collective is waited right after it."""
+    forward, backward = run_on_ranks(_gloo_schedule, 2)[0]
+    for ops in (forward, backward):
+        issued = [i for i, op in enumerate(ops) if op in ("all_gather_into_tensor", "reduce_scatter_tensor")]
+        assert issued and all(ops[i + 1] == "wait_tensor" for i in issued), ops
+    gathers = [i for i, op in enumerate(forward) if op == "all_gather_into_tensor"]
+    assert gathers[1] < forward.index("addmm"), forward
+
+
+if __name__ == "__main__":
+    unittest.main()
