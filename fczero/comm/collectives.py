@@ -28,8 +28,6 @@ together outside any graph (a minimum headroom, a finite-grad flag, the grad nor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -89,18 +87,20 @@ def settle(t: torch.Tensor) -> torch.Tensor:
 
 
 def wait_on(t: torch.Tensor) -> torch.Tensor:
-    """Wait (eagerly) for the collective whose result ``t`` is a plain slice of; return ``t``.
+    """Wait (eagerly) for the collective whose plain result is ``t``; return ``t``.
 
     [Note: plain bucket slices]
-    An eager bucket hands its members out as plain slices of the one all-gather's result
-    (``fczero.runtime.eager_buckets``): an ``AsyncCollectiveTensor`` per member would cost a Python
-    dispatch for every op on it. The collective is registered by its result's storage, so
-    ``wait_tensor`` on any slice waits for it, and on a later slice finds nothing left to
-    wait. Every consumer of a member (``eager_buckets.unsharded``, and ``settle`` for one
-    never used) calls this first.
+    An eager bucket (``fczero.runtime.eager_buckets``) keeps its all-gather's result as a plain
+    tensor rather than an ``AsyncCollectiveTensor``, whose every op is a Python
+    dispatch, and waits for it once, when its first member is asked for. The collective
+    is registered by its result's storage, so ``wait_tensor`` on the result waits for it,
+    and a second call finds nothing left to wait. The wait skips autograd: torch
+    registers a Python autograd kernel for ``wait_tensor`` (an identity), and a plain
+    result needs no grad link.
     """
     if not _tracing():
-        _c10d.wait_tensor(t.detach())
+        with torch._C._AutoDispatchBelowAutograd():
+            _c10d.wait_tensor(t)
     return t
 
 
@@ -121,40 +121,6 @@ def all_gather_waited(shard: torch.Tensor, group_size: int, group_name: str) -> 
     """Concatenate every rank's ``shard`` along dim 0, waited (a plain tensor)."""
     out = _c10d.all_gather_into_tensor(shard.contiguous(), group_size, group_name)
     return _c10d.wait_tensor(out)
-
-
-def all_gather_flat(
-    shards: Sequence[torch.Tensor],
-    rows_per_rank: Sequence[int],
-    dtype: torch.dtype | None,
-    group_size: int,
-    group_name: str,
-    *,
-    waited: bool = False,
-) -> list[torch.Tensor]:
-    """One all-gather for several shards: each padded to its rows per rank, cast to
-    ``dtype`` (None: kept), flattened and laid end to end. Per shard, its
-    ``[group_size, padded numel]`` columns of the result: plain slices, waited by their
-    consumers ([Note: plain bucket slices]) unless ``waited``.
-
-        flat = cat([pad(s1).view(-1), pad(s2).view(-1)])      # this rank's piece
-        out  = all_gather(flat).view(world, -1)               # rank r's piece in row r
-        s1's columns: out[:, :n1]; s2's: out[:, n1:n1 + n2]
-    """
-    pieces = [_to(pad_rows(s, rows), dtype).reshape(-1) for s, rows in zip(shards, rows_per_rank)]
-    flat = torch.cat(pieces)
-    if waited:
-        gathered = all_gather_waited(flat, group_size, group_name)
-    else:
-        gathered = all_gather(flat, group_size, group_name)
-        if isinstance(gathered, AsyncCollectiveTensor):
-            gathered = gathered.elem
-    by_rank = gathered.view(group_size, -1)
-    columns, offset = [], 0
-    for piece in pieces:
-        columns.append(by_rank[:, offset : offset + piece.numel()])
-        offset += piece.numel()
-    return columns
 
 
 def wait(t: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,6 @@ from the param itself rather than from ``param.placements``.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from collections.abc import Callable
@@ -39,6 +38,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -46,6 +46,7 @@ from torch.utils.checkpoint import (
 )
 
 from fczero.comm import collectives
+from fczero.comm.flat import FlatLayout
 from fczero.core.config import Options
 from fczero.core.streams import to_device
 
@@ -85,6 +86,12 @@ class ShardSpec:
     @property
     def is_scalar(self) -> bool:
         return len(self.shape) == 0
+
+    def flat_layout(self, shard_dtype: torch.dtype) -> FlatLayout:
+        """Where this param's shard lies when gathered with others as one flat buffer."""
+        return FlatLayout(
+            self.rows_per_rank, self.local_rows, self.shape[0], tuple(self.shape[1:]), shard_dtype
+        )
 
     def unsharded_bytes(self, param: torch.Tensor) -> int:
         """Bytes of the unsharded param this spec gathers (in ``param_dtype`` if set)."""
@@ -170,8 +177,11 @@ def sharded_grad(grad: torch.Tensor, spec) -> DTensor:
     """The local grad of a sharded param as its DTensor grad: wrapped with a copy of the
     param's ``DTensorSpec``, which describes it exactly (fczero's reduce hands back a
     contiguous grad with the param's placements, shape and dtype). Cheaper than
-    ``DTensor.from_local``, which builds and checks a new spec per grad."""
-    return DTensor(grad.contiguous(), copy.copy(spec), requires_grad=False)
+    ``DTensor.from_local``, which builds and checks a new spec per grad; the copy is a
+    plain field copy (``copy.copy`` costs six times as much, once per grad per step)."""
+    own = object.__new__(DTensorSpec)
+    own.__dict__.update(spec.__dict__)
+    return DTensor(grad.contiguous(), own, requires_grad=False)
 
 
 def eager_local(param: torch.Tensor) -> torch.Tensor:

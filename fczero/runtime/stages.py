@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fczero.comm import collectives
 from fczero.comm.buckets import plan_items
+from fczero.comm.flat import copy_in, copy_out
 from fczero.comm.reducer import REDUCERS, Reducer, Route
 from fczero.core.spec import mesh_device
 from fczero.core.state import (
@@ -128,18 +129,12 @@ def refresh(states: list[ParamState]) -> None:
 @torch.no_grad()
 def _gather_into_wholes(bucket: list[ParamState]) -> None:
     spec0 = bucket[0].spec
-    columns = collectives.all_gather_flat(
-        [state.param.to_local() for state in bucket],
-        [state.spec.rows_per_rank for state in bucket],
-        bucket[0].whole.dtype,
-        spec0.group_size,
-        spec0.group_name,
-        waited=True,
-    )
-    for state, piece in zip(bucket, columns):
-        spec = state.spec
-        full = piece.reshape(spec.group_size * spec.rows_per_rank, *spec.shape[1:])
-        state.whole.copy_(full.narrow(0, 0, spec.shape[0]))
+    layouts = tuple(state.spec.flat_layout(state.whole.dtype) for state in bucket)
+    shards = [state.param.to_local() for state in bucket]
+    flat = copy_in(bucket[0].whole.dtype, layouts, shards)
+    gathered = collectives.all_gather_waited(flat, spec0.group_size, spec0.group_name)
+    for state, full in zip(bucket, copy_out(gathered, spec0.group_size, layouts)):
+        state.whole.copy_(full)
 
 
 def refresh_params(model: nn.Module) -> None:

@@ -1,6 +1,6 @@
 """The collective building blocks (fczero/comm/collectives.py) against a hand computation
 on 2 gloo ranks: padding, the gather and its backward (the averaged reduce), the waited
-all-gather, the flat gather of several shards, and the eager c10d collectives."""
+all-gather, and the eager c10d collectives."""
 
 from __future__ import annotations
 
@@ -40,27 +40,6 @@ def test_gather_then_averaged_reduce_on_two_ranks():
         # mean over ranks of the weights (10 and 20), this rank's rows of it
         assert torch.equal(grad, torch.full((2, 3), 15.0))
         assert waited.tolist() == [0, 1]
-
-
-def _flat_gather(rank: int, world_size: int) -> tuple:
-    import torch.distributed as dist
-
-    group = dist.group.WORLD.group_name
-    # two shards of a 3-row param (rows per rank 2: rank 1 holds one row) and a 1-d one
-    first = torch.full((2 - rank, 2), float(rank + 1))
-    second = torch.tensor([10.0 * (rank + 1)])
-    columns = collectives.all_gather_flat(
-        [first, second], [2, 1], torch.float64, world_size, group, waited=True
-    )
-    return [c.clone() for c in columns]
-
-
-def test_flat_gather_pads_casts_and_hands_each_shard_its_columns():
-    for first, second in run_on_ranks(_flat_gather, 2):
-        assert first.dtype == torch.float64 and first.shape == (2, 4)  # [world, 2 rows x 2]
-        assert first[0].tolist() == [1.0] * 4
-        assert first[1].tolist() == [2.0, 2.0, 0.0, 0.0]  # rank 1's row, then its padding
-        assert second.tolist() == [[10.0], [20.0]]
 
 
 def _settle_together(rank: int, world_size: int) -> tuple:

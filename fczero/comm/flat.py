@@ -1,0 +1,70 @@
+"""Several shards gathered as one: where each lies in the flat buffer, the copy in and the
+copy out. An eager bucket (``fczero.runtime.eager_buckets``) and the refresh of stage 1/2's
+whole copies (``fczero.runtime.stages``) gather this way.
+
+    copy_in:  each shard, cast and padded to its rows per rank, laid end to end (one op)
+    gather:   one all_gather_into_tensor -> [world, sum of padded numels]; shard k of
+              rank r lies at [r, offset_k : offset_k + numel_k]
+    copy_out: each param's rows of every rank into storage of its own (one
+              split_with_sizes_copy), its padding rows dropped
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where one shard lies in the flat buffer (and its param in the whole)."""
+
+    rows_per_rank: int
+    local_rows: int
+    whole_rows: int  # the unsharded param's dim 0
+    row_shape: tuple[int, ...]  # dims after the first
+    shard_dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:  # one rank's padded rows, flattened
+        return self.rows_per_rank * math.prod(self.row_shape)
+
+
+@torch.no_grad()
+def copy_in(dtype: torch.dtype, layouts: tuple[FlatLayout, ...], shards: list[torch.Tensor]) -> torch.Tensor:
+    """The all-gather input: every shard cast to ``dtype`` and padded with zero rows to
+    its rows per rank, laid end to end (one op when no shard needs padding)."""
+    flat = shards[0].new_empty(sum(layout.numel for layout in layouts), dtype=dtype)
+    if all(layout.local_rows == layout.rows_per_rank for layout in layouts):
+        return torch.cat([shard.reshape(-1) for shard in shards], out=flat)
+    targets, sources, offset = [], [], 0
+    for shard, layout in zip(shards, layouts):
+        rows = flat[offset : offset + layout.numel].view(layout.rows_per_rank, *layout.row_shape)
+        offset += layout.numel
+        rows[layout.local_rows :].zero_()
+        if layout.local_rows:
+            targets.append(rows[: layout.local_rows])
+            sources.append(shard)
+    torch._foreach_copy_(targets, sources)
+    return flat
+
+
+def copy_out(gathered: torch.Tensor, world: int, layouts: tuple[FlatLayout, ...]) -> list[torch.Tensor]:
+    """Every shard's whole param out of the gathered buffer, each in storage of its own,
+    without its padding rows (one copy for all: each rank's rows of a param lie apart in
+    the buffer)."""
+    outs = [
+        gathered.new_empty((world * layout.rows_per_rank, *layout.row_shape)) for layout in layouts
+    ]
+    torch.split_with_sizes_copy(
+        gathered.view(world, -1),
+        [layout.numel for layout in layouts],
+        dim=1,
+        out=[out.view(world, layout.numel) for out, layout in zip(outs, layouts)],
+    )
+    return [
+        out if out.shape[0] == layout.whole_rows else out.narrow(0, 0, layout.whole_rows)
+        for out, layout in zip(outs, layouts)
+    ]

@@ -1,0 +1,42 @@
+"""The flat gather of several shards (fczero/comm/flat.py): the copy in pads and casts each
+shard into one buffer, and the copy out hands every param back whole, in storage of its own."""
+
+from __future__ import annotations
+
+import torch
+
+from fczero.comm.flat import FlatLayout, copy_in, copy_out
+
+
+def _rank_shards(rank: int) -> list[torch.Tensor]:
+    # a (3, 2) param over 2 ranks (2 rows per rank: rank 1 holds one) and a (2,) param
+    whole_a = torch.arange(6.0).reshape(3, 2)
+    whole_b = torch.tensor([10.0, 20.0])
+    return [whole_a[2 * rank : 2 * rank + 2], whole_b[rank : rank + 1]]
+
+
+LAYOUTS = {
+    rank: (
+        FlatLayout(2, 2 - rank, 3, (2,), torch.float32),
+        FlatLayout(1, 1, 2, (), torch.float32),
+    )
+    for rank in (0, 1)
+}
+
+
+def test_copy_in_pads_and_casts_and_copy_out_returns_whole_params():
+    pieces = [copy_in(torch.float64, LAYOUTS[r], _rank_shards(r)) for r in (0, 1)]
+    assert pieces[1].tolist() == [4.0, 5.0, 0.0, 0.0, 20.0]  # rank 1's row, its padding, b
+    assert all(p.dtype == torch.float64 and p.numel() == 5 for p in pieces)
+    gathered = torch.cat(pieces)  # what the all-gather returns: rank 0's piece, then rank 1's
+    a, b = copy_out(gathered, 2, LAYOUTS[0])
+    assert torch.equal(a, torch.arange(6.0, dtype=torch.float64).reshape(3, 2))  # no padding row
+    assert torch.equal(b, torch.tensor([10.0, 20.0], dtype=torch.float64))
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+
+
+def test_even_shards_are_laid_end_to_end_in_one_copy():
+    layouts = (FlatLayout(1, 1, 2, (3,), torch.float32), FlatLayout(2, 2, 4, (), torch.float32))
+    flat = copy_in(torch.bfloat16, layouts, [torch.ones(1, 3), torch.tensor([2.0, 3.0])])
+    assert flat.dtype == torch.bfloat16 and flat.tolist() == [1.0, 1.0, 1.0, 2.0, 3.0]
+    assert [layout.numel for layout in layouts] == [3, 2]
