@@ -129,7 +129,7 @@ def refresh(states: list[ParamState]) -> None:
 @torch.no_grad()
 def _gather_into_wholes(bucket: list[ParamState]) -> None:
     spec0 = bucket[0].spec
-    layouts = tuple(state.spec.flat_layout(state.whole.dtype) for state in bucket)
+    layouts = tuple(state.spec.flat_layout(state.param.dtype) for state in bucket)
     shards = [state.param.to_local() for state in bucket]
     flat = copy_in(bucket[0].whole.dtype, layouts, shards)
     gathered = collectives.all_gather_waited(flat, spec0.group_size, spec0.group_name)
