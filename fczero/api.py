@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from fczero import consistency, guards, memory, resharding, stages, unsharding
+from fczero import consistency, guards, memory, stages, unsharding
 from fczero import meta_init as meta_device_init
 from fczero import prefetch as eager_prefetch
 from fczero import config
@@ -339,26 +339,16 @@ def _install_passes(
 
 
 def _root_pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Cast floating inputs to ``param_dtype`` (as FSDP2 does); in eager mode, mark the
-    root's forward, open the reshard scope (stage 3) and start eager prefetch."""
+    """Cast floating inputs to ``param_dtype`` (as FSDP2 does); in eager mode, open the
+    root's eager context ([Note: the eager context of a forward] in ``fczero.state``)."""
     root = root_state(module)
     param_dtype = root.options.mp.param_dtype
     if param_dtype is not None:
         args, kwargs = tree_map_only(
             torch.Tensor, partial(_cast_floating, param_dtype), (args, kwargs)
         )
-    if torch.compiler.is_compiling():
-        return args, kwargs
-    root.in_forward = True
-    prefetcher = root.prefetch
-    if root.options.selective_unsharding:  # stages 1/2 gather nothing
-        root.scope = resharding.reshard_scope(prefetcher.window, prefetcher.bucket_bytes)
-        root.scope.__enter__()
-    if eager_prefetch.active is None:  # the outermost parallelized root prefetches
-        eager_prefetch.active = prefetcher
-        prefetcher.start()
-    if root.eager_log is not None and consistency.EagerLog.active is None:
-        root.eager_log.start()
+    if not torch.compiler.is_compiling():
+        root.enter_forward()
     return args, kwargs
 
 
@@ -367,20 +357,8 @@ def _cast_floating(dtype: torch.dtype, t: torch.Tensor) -> torch.Tensor:
 
 
 def _root_post_forward(module: nn.Module, args: object, output: object) -> None:
-    """Undo ``_root_pre_forward``: finish eager prefetch, close the reshard scope."""
+    """Undo ``_root_pre_forward``: close the eager context (the forward may have raised:
+    this hook always runs, and then skips the end-of-forward collective check)."""
     if torch.compiler.is_compiling():
         return  # nothing was opened
-    root = root_state(module)
-    root.in_forward = False
-    if eager_prefetch.active is root.prefetch:
-        eager_prefetch.active.finish()
-        eager_prefetch.active = None
-    scope, root.scope = root.scope, None
-    if scope is not None:
-        scope.__exit__(None, None, None)
-    log = root.eager_log
-    if log is not None and consistency.EagerLog.active is log:
-        if sys.exc_info()[0] is None:
-            log.finish()  # compare this forward's gathers with every rank's
-        else:
-            consistency.EagerLog.active = None  # the forward raised: that error goes up
+    root_state(module).exit_forward(raised=sys.exc_info()[0] is not None)

@@ -190,9 +190,8 @@ def check_graph(gm: fx.GraphModule) -> None:
 
 
 class EagerLog:
-    """The gathers one eager forward of a parallelized root issued, for ``exchange``."""
-
-    active: EagerLog | None = None  # the log of the forward running now, if it is checked
+    """The gathers one eager forward of a parallelized root issued, for ``exchange``: one
+    per checked root, opened by its forward's context (``fczero.prefetch.EagerContext``)."""
 
     def __init__(self, group_name: str, timeout_s: float) -> None:
         self.group_name = group_name
@@ -206,10 +205,8 @@ class EagerLog:
 
     def start(self) -> None:
         self.entries = []
-        EagerLog.active = self
 
     def finish(self) -> None:
-        EagerLog.active = None
         self.forwards += 1
         exchange(
             self.group_name,
@@ -218,12 +215,6 @@ class EagerLog:
             self.timeout_s,
             f"the end of eager forward #{self.forwards - 1}",
         )
-
-
-def note_gather(shape: torch.Size, dtype: torch.dtype | None) -> None:
-    """Record an eager gather in the checked forward running now (a no-op otherwise)."""
-    if EagerLog.active is not None:
-        EagerLog.active.note(shape, dtype)
 
 
 __all__ = [
@@ -235,5 +226,4 @@ __all__ = [
     "enable",
     "exchange",
     "graph_collectives",
-    "note_gather",
 ]

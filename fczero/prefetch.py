@@ -23,7 +23,6 @@ gathers are marked in the recorded order and run in place.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,8 +36,6 @@ if TYPE_CHECKING:
     from fczero.spec import ShardSpec
 
 logger = logging.getLogger("fczero")
-
-Gather = Callable[["ShardSpec", torch.Tensor], torch.Tensor]
 
 # One recorded gather: the param's spec, the param, and whether it ran inside a
 # selective-checkpoint region (then it is never prefetched; see the module docstring).
@@ -68,37 +65,37 @@ class EagerPrefetch:
         self._seen, self._ready, self._cursor, self._issued, self._ahead = [], {}, 0, 0, 0
         self._replaying = self.order is not None and self.window > 0
 
-    def gather(self, spec: ShardSpec, param: torch.Tensor, gather: Gather) -> torch.Tensor:
+    def gather(self, spec: ShardSpec, param: torch.Tensor, context: EagerContext) -> torch.Tensor:
         n = self._cursor
         self._cursor += 1
         in_place = _in_selective_checkpoint()
         self._seen.append((spec, param, in_place))
         if in_place or not self._replaying:
-            return gather(spec, param)
+            return context.gather_now(spec, param)
         if n >= len(self.order) or self.order[n][1] is not param:
             logger.info(
                 "fczero: gather order changed at gather %d; eager prefetch off this step", n
             )
             self._replaying = False  # what was prefetched belongs to other params: never use it
-            return gather(spec, param)
+            return context.gather_now(spec, param)
         if n in self.bucket_of and n not in self._ready:
-            self._issue(n, gather)  # the first member of a bucket not issued yet
+            self._issue(n, context)  # the first member of a bucket not issued yet
         full = self._ready.pop(n, None)
         if full is None:
-            full = gather(spec, param)
+            full = context.gather_now(spec, param)
         else:
             self._ahead -= self.sizes[n]
             if n in self.bucket_of:
-                full = hand_over(spec, param, eager_buckets.unsharded(spec, full))
-        self._issue_ahead(n, gather)
+                full = context.hand_over(spec, param, eager_buckets.unsharded(spec, full))
+        self._issue_ahead(n, context)
         return full
 
-    def _issue(self, j: int, gather: Gather) -> int:
+    def _issue(self, j: int, context: EagerContext) -> int:
         """Issue the j-th gather, or its whole bucket; returns the next position after it."""
         bucket = self.bucket_of.get(j)
         if bucket is None:
             spec, param, _ = self.order[j]
-            self._ready[j] = gather(spec, param)
+            self._ready[j] = context.gather_now(spec, param)
             self._ahead += self.sizes[j]
             return j + 1
         members = [(self.order[i][0], self.order[i][1]) for i in bucket]
@@ -107,7 +104,7 @@ class EagerPrefetch:
             self._ahead += self.sizes[i]
         return bucket[-1] + 1
 
-    def _issue_ahead(self, n: int, gather: Gather) -> None:
+    def _issue_ahead(self, n: int, context: EagerContext) -> None:
         """Issue the gathers after the n-th while they fit in the window (at least one)."""
         sizes = self.sizes
         ahead = self._ahead  # what _ready holds: every position in it is after n
@@ -120,7 +117,7 @@ class EagerPrefetch:
             size = sum(sizes[i] for i in members)
             if not eager_buckets.fits(ahead, size, self.window):
                 break
-            j = self._issue(j, gather)
+            j = self._issue(j, context)
             ahead += size
         self._issued = j
 
@@ -147,27 +144,85 @@ def _in_selective_checkpoint() -> bool:
     )
 
 
-active: EagerPrefetch | None = None
+class EagerContext:
+    """What one eager forward of a parallelized root runs in: the root's ``EagerPrefetch``,
+    the reshard scope of this forward (stage 3 that frees params after forward; else None)
+    and the collective log of a checked forward (``check_policy``; else None).
+
+    The root's forward pre-hook makes one and ``open``s it; its forward hook ``close``s it,
+    also when the forward raised. A root whose forward starts inside an open context's
+    forward (it is called from another root's forward) joins that context instead of
+    making its own (``find_open``), so the outermost root's prefetch and scope serve both.
+    Each param's state reaches the context through its root (``fczero.state``)."""
+
+    def __init__(
+        self,
+        owner: object,
+        prefetch: EagerPrefetch,
+        scope: resharding.ReshardScope | None = None,
+        log: consistency.EagerLog | None = None,
+    ) -> None:
+        self.owner = owner  # the root that opened it (a ``RootState``)
+        self.prefetch = prefetch
+        self.scope = scope
+        self.log = log
+
+    def open(self) -> None:
+        self.prefetch.start()
+        if self.scope is not None:
+            self.scope.open(self)
+        if self.log is not None:
+            self.log.start()
+
+    def close(self, raised: bool) -> None:
+        """End of the owner's forward: drop unused prefetches, remove the reshard hooks and
+        (unless the forward raised: that error goes up) compare the gathers across ranks."""
+        try:
+            self.prefetch.finish()
+        finally:
+            if self.scope is not None:
+                self.scope.close()
+        if self.log is not None and not raised:
+            self.log.finish()
+
+    def gather(self, spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
+        """The eager gather of a sharded param with rows: issued now (or earlier, when the
+        prefetch issued it ahead) and waited here, as it is handed to the module."""
+        return collectives.settle(self.prefetch.gather(spec, param, self))
+
+    def gather_now(self, spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
+        return self.hand_over(spec, param, spec._gather(eager_local(param)))
+
+    def hand_over(self, spec: ShardSpec, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """An eager gather on its way to the module: noted for the collective check, and
+        (stage 3) recorded so that saving it packs a recipe (``fczero.resharding``)."""
+        if self.log is not None:
+            self.log.note(spec.shape, spec.param_dtype)
+        if not spec.keep_unsharded:
+            self.register(full, spec, param)
+        return full
+
+    def register(self, full: torch.Tensor, spec: ShardSpec, param: torch.Tensor) -> None:
+        """Saved views of ``full`` regather in backward (when this forward reshards)."""
+        if self.scope is not None:
+            self.scope.register(full, spec, param)
 
 
-def eager_gather(spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
-    """The eager gather of a sharded param with rows: issued now (or earlier, when the
-    active root prefetched it) and waited here, as it is handed to the module."""
-    if active is not None:
-        full = active.gather(spec, param, _gather_now)
-    else:
-        full = _gather_now(spec, param)
-    return collectives.settle(full)
+def find_open() -> EagerContext | None:
+    """The context of the forward running around this point, found through its reshard
+    scope, the innermost saved-tensor hooks (None: no root that reshards is running, or
+    something installed hooks of its own inside its forward)."""
+    scope = resharding.open_scope()
+    owner = scope.owner if scope is not None else None
+    return owner if isinstance(owner, EagerContext) else None
 
 
-def _gather_now(spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
-    return hand_over(spec, param, spec._gather(eager_local(param)))
-
-
-def hand_over(spec: ShardSpec, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """An eager gather on its way to the module: noted for the collective check, and
-    (stage 3) recorded so that saving it packs a recipe (``fczero.resharding``)."""
-    consistency.note_gather(spec.shape, spec.param_dtype)
-    if not spec.keep_unsharded:
-        resharding.register_gathered(full, spec, param)
-    return full
+def eager_gather(
+    context: EagerContext | None, spec: ShardSpec, param: torch.Tensor
+) -> torch.Tensor:
+    """A module's eager gather: through ``context`` while its root's forward runs, else
+    alone (activation checkpointing's recompute in backward, a submodule called outside
+    its root's forward)."""
+    if context is not None:
+        return context.gather(spec, param)
+    return collectives.settle(spec._gather(eager_local(param)))

@@ -40,7 +40,7 @@ from torch.optim.optimizer import (
 from fczero import accumulation, collectives, guards, local_step
 from fczero.offload import host_memory
 from fczero.offload import params as param_offload
-from fczero.reducer import REDUCERS, Reducer, Route
+from fczero.reducer import Reducer, Route
 from fczero.spec import mesh_device
 from fczero.state import (
     OptimizerState,
@@ -90,7 +90,6 @@ def attach(
             start=min(rank * spec.rows_per_rank, spec.shape[0]) if spec.shape else 0,
             reduce_dtype=options.mp.reduce_dtype or grad_dtype,
             shard_dtype=shard_dtype,
-            reducer=-1,  # set below once the Reducer exists
             index=reducer_index,
         )
         if reducer_index >= 0:
@@ -102,15 +101,7 @@ def attach(
         by_param[id(sharded)] = state
         remember(state)
     if reducer_slots:
-        reducer = Reducer(reducer_slots, options.comm.bucket_bytes)
-        root.reducer = reducer  # REDUCERS holds it weakly
-        root.reducer_key = id(reducer)
-        REDUCERS[root.reducer_key] = reducer
-        for state in root.params:
-            if state.route.index >= 0:
-                state.route = _with_reducer(state.route, root.reducer_key)
-        for slot, state in enumerate(s for s in root.params if s.route.index >= 0):
-            reducer.params[slot] = (state.param, state.route, state.spec.shape)
+        root.reducer = Reducer(reducer_slots, options.comm.bucket_bytes)
     for module, names in wiring.items():
         module_state(module, create=True).params = {
             name: by_param[id(module._parameters[name])] for name in names
@@ -118,12 +109,6 @@ def attach(
     module_state(model, create=True).root = root
     _install_optimizer_hooks()
     return root
-
-
-def _with_reducer(route: Route, key: int) -> Route:
-    fields = dict(route.__dict__)
-    fields["reducer"] = key
-    return Route(**fields)
 
 
 def refresh(states: list[ParamState]) -> None:

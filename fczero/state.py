@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fczero import collectives, prefetch, resharding
+from fczero import collectives, consistency, prefetch, resharding
 from fczero.reducer import Reducer, Route, whole_param
 from fczero.spec import _local, _recompute_everything, sharded_grad
 
@@ -97,28 +97,85 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> OptimizerState:
 
 
 class RootState:
-    """One parallelized root: its options, its params in order, the sync flag, and the
-    eager context of its forward (prefetch, reshard scope, reducer, collective log)."""
+    """One parallelized root: its options, its params in order, the sync flag, the
+    reducer, and the eager context of its forward (prefetch, reshard scope, collective log).
+
+    [Note: the eager context of a forward]
+    The eager runtime a gather goes through belongs to the forward that is running: the
+    root's forward pre-hook calls ``enter_forward``, which opens an ``EagerContext``
+    (``fczero.prefetch``) with the root's prefetch, a fresh reshard scope (stage 3 that
+    frees params after forward) and its collective log (``check_policy``), and pushes it
+    on ``forwards``; the forward hook calls ``exit_forward``, which pops and closes it,
+    also when the forward raised. Each param's getter reaches it as
+    ``ParamState.root.context``: no gather looks anywhere else, so two models never meet.
+
+    A root whose forward starts while another root's forward is running (one calls the
+    other) joins the outer context instead of opening its own, as one forward: the
+    outermost root's prefetch records and replays both, its scope frees both, and a checked
+    inner root logs its gathers there while the outer root logs none. The outer context is
+    found through torch's own per-thread stack of saved-tensor hooks, where its reshard
+    scope is the innermost (``prefetch.find_open``); an outer root that reshards nothing
+    installs no hooks, and the inner root then opens a context of its own. A root that
+    calls itself joins its own context."""
 
     def __init__(self, options: Options, mesh: DeviceMesh) -> None:
         self.options = options
         self.mesh = mesh
         self._sync = True
-        self.in_forward = False  # an eager forward of the root is running
         self.params: list[ParamState] = []  # registration order, identical on every rank
         self.reducer: Reducer | None = None
-        self.reducer_key = -1
         # selective unsharding (``fczero.unsharding``): the plan from keep_unsharded bytes
         # (a KeptPlan), or the automatic planner (an AutoUnsharding). Set by the layers
         # above, which own those types.
         self.kept: Any = None
         self.auto_unsharding: Any = None
-        # the eager runtime of this root (set by ``parallelize``): its prefetch (an
-        # ``EagerPrefetch``), the reshard scope open during its forward, its collective log
-        self.prefetch: Any = None
-        self.scope: Any = None
-        self.eager_log: Any = None
+        # the eager runtime of this root (set by ``parallelize``): its prefetch, whose
+        # recorded order lasts from forward to forward, and its collective log (checked)
+        self.prefetch: prefetch.EagerPrefetch | None = None
+        self.eager_log: consistency.EagerLog | None = None
+        # the forwards of this root running now, innermost last: the context each runs
+        # in, and what it opened itself there (its own context; its log in a joined one)
+        self.forwards: list[tuple[prefetch.EagerContext, bool, bool]] = []
 
+    @property
+    def in_forward(self) -> bool:
+        """An eager forward of the root is running."""
+        return bool(self.forwards)
+
+    @property
+    def context(self) -> prefetch.EagerContext | None:
+        """The eager context of this root's running forward (None between forwards)."""
+        return self.forwards[-1][0] if self.forwards else None
+
+    def enter_forward(self) -> None:
+        """The root's eager forward starts ([Note: the eager context of a forward])."""
+        context = prefetch.find_open()
+        opened = context is None
+        if opened:
+            scope = None
+            if self.options.selective_unsharding:  # stages 1/2 gather nothing
+                scope = resharding.ReshardScope(self.prefetch.window, self.prefetch.bucket_bytes)
+            context = prefetch.EagerContext(self, self.prefetch, scope, self.eager_log)
+        logs = not opened and context.log is None and self.eager_log is not None
+        if logs:  # checked, inside a forward that is not: log the gathers from here on
+            context.log = self.eager_log
+        self.forwards.append((context, opened, logs))
+        if opened:
+            context.open()
+        elif logs:
+            context.log.start()
+
+    def exit_forward(self, raised: bool) -> None:
+        """The root's eager forward ended (``raised``: by an exception): close what it opened."""
+        if not self.forwards:
+            return  # (its pre-hook never ran: an earlier hook raised)
+        context, opened, logs = self.forwards.pop()
+        if opened:
+            context.close(raised)
+        elif logs:
+            context.log = None
+            if not raised:
+                self.eager_log.finish()
 
     @property
     def sync(self) -> bool:
@@ -197,7 +254,7 @@ class ParamState:
             # (under compile each read would be one more guard, each write a side effect)
             if spec.keep_unsharded and self.reused is not None:
                 self.reused = None
-            return spec.unshard(param, prefetch.eager_gather)
+            return spec.unshard(param, self)
         if self.whole is not None:
             if not grad_path:
                 return self.whole
@@ -207,11 +264,17 @@ class ParamState:
             if pending is not None and spec.keep_unsharded:
                 self.reused = None  # the accumulation's last micro-batch: the step follows
         route, reducer = self.route, self.root.reducer
-        eager_stage1 = reducer is not None and route.index >= 0
-        if eager_stage1 and not accumulating and not collectives._tracing():
+        if reducer is None or route.index < 0 or collectives._tracing():
+            reducer = None  # (compiled: the graph all-reduces each grad itself)
+        elif not accumulating:
             reducer.expect(route.index)  # one more grad for its bucket to wait for
         local = self.spec._on_device(_local(param))  # (param offload: from the host)
-        return whole_param(local, whole, self.acc if accumulating else None, pending, route)
+        acc = self.acc if accumulating else None
+        return whole_param(local, whole, acc, pending, route, reducer)
+
+    def gather_eagerly(self, spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
+        """The eager gather, through the context of this param's root's running forward."""
+        return prefetch.eager_gather(self.root.context, spec, param)
 
     def _gather_without_grad(self, param: torch.Tensor) -> torch.Tensor:
         """Stage 3 (or a 0-d param) while accumulating: the whole param, without the reduce
@@ -227,7 +290,9 @@ class ParamState:
                 spec._gather, local, use_reentrant=False, context_fn=_recompute_everything
             )
         full = spec._gather(local)
-        resharding.register_gathered(full, spec, param)  # saved views regather in backward
+        context = self.root.context
+        if context is not None:
+            context.register(full, spec, param)  # saved views regather in backward
         return full
 
     def _reuse_or_gather(self, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
