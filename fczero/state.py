@@ -54,23 +54,23 @@ class ModuleState:
 class OptimizerState:
     """An optimizer's ``_fczero``."""
 
-    __slots__ = ("offload", "in_parts", "host_step_checked", "params", "states")
+    __slots__ = ("offload", "in_parts", "host_step_checked", "params", "states", "swap")
 
     def __init__(self) -> None:
         self.offload: list[Any] = []  # OptimizerOffload handles (fczero.offload.optimizer)
         self.in_parts = False  # set while it steps part of its params (one_step_in_parts)
         self.host_step_checked = False  # host memory checked for its host step (param offload)
-        # its params when last looked up, and weak references to their states
+        # its params when last looked up (and checked: none replaced by parallelize), and
+        # weak references to their states
         self.params: tuple[torch.Tensor, ...] = ()
         self.states: list[weakref.ref] = []
+        self.swap: Any = None  # what a step on local shards swapped in (fczero.local_step)
 
     @staticmethod
     def of(optimizer: torch.optim.Optimizer) -> OptimizerState:
-        """The optimizer's ``_fczero`` if it has one, else a fresh record left unattached."""
-        return optimizer.__dict__.get(ATTR) or _NO_RECORD
-
-
-_NO_RECORD = OptimizerState()  # read-only stand-in: what a record holds before any use
+        """The optimizer's ``_fczero`` if it has one, else a fresh record left unattached
+        (what a record holds before any use; writing to it changes nothing)."""
+        return optimizer.__dict__.get(ATTR) or OptimizerState()
 
 
 def module_state(module: nn.Module, create: bool = False) -> ModuleState | None:

@@ -10,6 +10,7 @@ Nothing in torch is patched.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -17,7 +18,12 @@ import torch.nn as nn
 
 from fczero.state import ATTR
 
-_WIRED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+#: (user class, param names) -> its wired subclass. Per process: a generated class holds
+#: no state of a model, so every model with such a module shares it; held weakly (it
+#: lives while a module of it does).
+_WIRED_CLASSES: weakref.WeakValueDictionary[tuple[type, tuple[str, ...]], type] = (
+    weakref.WeakValueDictionary()
+)
 
 
 def _unsharded_property(name: str) -> property:
