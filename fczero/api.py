@@ -241,7 +241,6 @@ def parallelize(
     window = 0 if options.check is not None else comm.bucket_bytes * comm.prefetch
     root.prefetch = eager_prefetch.EagerPrefetch(window, comm.bucket_bytes)
     if options.check is not None:
-        consistency.enable(group_name, options.check.timeout_s)
         root.eager_log = consistency.EagerLog(group_name, options.check.timeout_s)
     model.register_forward_pre_hook(_root_pre_forward, with_kwargs=True)
     model.register_forward_hook(_root_post_forward, always_call=True)
@@ -332,9 +331,9 @@ def _install_passes(
         activation_offload=options.offload.activations,
         offload_min_bytes=options.offload.activation_min_bytes,
         param_itemsize=options.mp.param_dtype.itemsize if options.mp.param_dtype else None,
+        check_timeout_s=options.check.timeout_s if options.check is not None else None,
     )
     install()
-    offload_partition.forget(mesh.get_group().group_name)
     offload_partition.install(required=options.offload.activations != "off")
 
 
