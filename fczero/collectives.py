@@ -85,18 +85,20 @@ def settle(t: torch.Tensor) -> torch.Tensor:
 
 
 def wait_on(t: torch.Tensor) -> torch.Tensor:
-    """Wait (eagerly) for the collective whose result ``t`` is a plain slice of; return ``t``.
+    """Wait (eagerly) for the collective whose plain result is ``t``; return ``t``.
 
     [Note: plain bucket slices]
-    An eager bucket hands its members out as plain slices of the one all-gather's result
-    (``fczero.eager_buckets``): an ``AsyncCollectiveTensor`` per member would cost a Python
-    dispatch for every op on it. The collective is registered by its result's storage, so
-    ``wait_tensor`` on any slice waits for it, and on a later slice finds nothing left to
-    wait. Every consumer of a member (``eager_buckets.unsharded``, and ``settle`` for one
-    never used) calls this first.
+    An eager bucket (``fczero.eager_buckets``) keeps its all-gather's result as a plain
+    tensor rather than an ``AsyncCollectiveTensor``, whose every op is a Python
+    dispatch, and waits for it once, when its first member is asked for. The collective
+    is registered by its result's storage, so ``wait_tensor`` on the result waits for it,
+    and a second call finds nothing left to wait. The wait skips autograd: torch
+    registers a Python autograd kernel for ``wait_tensor`` (an identity), and a plain
+    result needs no grad link.
     """
     if not _tracing():
-        _c10d.wait_tensor(t.detach())
+        with torch._C._AutoDispatchBelowAutograd():
+            _c10d.wait_tensor(t)
     return t
 
 

@@ -9,26 +9,31 @@ gather each) whose params share a process group and a gathered dtype. A 0-d para
 tensor-parallel one, one in host memory (``OffloadPolicy(params=True)``) and any gather inside a
 selective-checkpointing region stay on their own.
 
-When the prefetcher reaches a bucket it issues it whole, through ``gather_bucket``:
+When the prefetcher reaches a bucket it issues it whole (``gather_bucket``), and the
+bucket works per bucket, never per member, wherever it can:
 
-    forward:  pad and cast each shard -> concatenate -> one all_gather_into_tensor
-              -> per member, a [world, rows per rank x row size] view of the result
-    hand-off: the member's view -> its unsharded shape (a copy: each rank's rows are
-              apart in the gathered buffer) -> the module
-    backward: every member's grad, rank-major -> concatenate -> average -> one
-              reduce_scatter_tensor (HSDP: then one all-reduce) -> each shard's rows
+    issue:     each shard, cast and padded, copied into one flat input (one op)
+               -> one all_gather_into_tensor, left in flight
+    hand-off:  the first member asked for waits for the collective and copies every
+               member out of the gathered buffer into storage of its own (one
+               split_with_sizes_copy), under one autograd node for the bucket
+    backward:  the members' grads laid out rank-major in the reduce dtype (one
+               _chunk_cat, which casts and pads) -> divided in place -> one
+               reduce_scatter_tensor (HSDP: then one all-reduce) -> each shard's rows
 
-Autograd runs a node's backward once the grads of all its outputs are in, so the
+One wait, one copy-in, one copy-out and one grad layout per bucket: the number of
+kernels and Python calls per step follows the buckets, not the params. Autograd runs
+the bucket node's backward once the grads of all its outputs are in, so the
 reduce-scatter waits for the last of its members' grads: a bucket of one block reduces
 when that block's backward is done. A member that is never handed off (the order
-changed mid-forward) receives a zero grad here, and its param is gathered on its own
-instead, so the sum is still right. The copy at hand-off gives every member its own
-storage, which the eager reshard hooks (``fczero.resharding``) key on.
+changed mid-forward) gets a zero grad here, and its param is gathered on its own
+instead, so the sum is still right. Each member has a storage of its own, which the
+eager reshard hooks (``fczero.resharding``) key on.
 
 Backward's regathers of saved params are bucketed the same way (``regather_bucket``,
 no autograd): ``plan`` cuts the list of saved params, in the order first saved, and a
-regather issues its member's whole bucket; each member is copied out (``unsharded``)
-when backward unpacks it. These buckets exist from the first step on.
+regather issues its member's whole bucket; the first member that backward unpacks
+copies them all out. These buckets exist from the first step on.
 """
 
 from __future__ import annotations
@@ -46,20 +51,6 @@ from fczero.spec import eager_local
 
 if TYPE_CHECKING:
     from fczero.spec import ShardSpec
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """What the bucket's backward needs of one member."""
-
-    rows_per_rank: int
-    local_rows: int
-    row_shape: tuple[int, ...]  # dims after the first
-    shard_dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:  # one rank's padded rows, flattened
-        return self.rows_per_rank * math.prod(self.row_shape)
 
 
 def fits(ahead: int, size: int, window: int) -> bool:
@@ -92,85 +83,155 @@ def plan(entries: list[tuple[ShardSpec, torch.Tensor, bool]], bucket_bytes: int)
     return [b for b in collectives.plan_buckets(items, bucket_bytes) if len(b) > 1]
 
 
-def _gather_flat(
-    spec0: ShardSpec, layouts: tuple[_Layout, ...], shards: list[torch.Tensor]
-) -> list[torch.Tensor]:
-    """One all-gather of the padded, cast shards laid end to end; per member, its
-    ``[world, numel]`` view of the result (asynchronous in eager)."""
-    world = spec0.group_size
-    pieces = []
-    for shard, layout in zip(shards, layouts):
-        shard = collectives.pad_rows(shard, layout.rows_per_rank)
-        pieces.append(collectives._to(shard, spec0.param_dtype).reshape(-1))
-    gathered = collectives.all_gather(torch.cat(pieces), world, spec0.group_name)
-    # plain slices, waited by their consumers ([Note: plain bucket slices])
-    if isinstance(gathered, AsyncCollectiveTensor):
-        gathered = gathered.elem
-    by_rank = gathered.view(world, -1)
-    outs, offset = [], 0
-    for layout in layouts:
-        outs.append(by_rank[:, offset : offset + layout.numel])
-        offset += layout.numel
-    return outs
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where one member lies in its bucket."""
+
+    rows_per_rank: int
+    local_rows: int
+    whole_rows: int  # the unsharded param's dim 0
+    row_shape: tuple[int, ...]  # dims after the first
+    shard_dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:  # one rank's padded rows, flattened
+        return self.rows_per_rank * math.prod(self.row_shape)
 
 
 def _layouts(members: list[tuple[ShardSpec, torch.Tensor]]) -> tuple[_Layout, ...]:
     return tuple(
-        _Layout(spec.rows_per_rank, spec.local_rows, tuple(spec.shape[1:]), param.dtype)
+        _Layout(spec.rows_per_rank, spec.local_rows, spec.shape[0], tuple(spec.shape[1:]), param.dtype)
         for spec, param in members
     )
 
 
-class _GatherBucket(torch.autograd.Function):
-    """All-gather of a bucket's shards in forward, reduce-scatter of their grads in backward."""
+@torch.no_grad()
+def _copy_in(dtype: torch.dtype, layouts: tuple[_Layout, ...], shards: list[torch.Tensor]) -> torch.Tensor:
+    """The bucket's all-gather input: every shard cast to ``dtype`` and padded with zero
+    rows to its rows per rank, laid end to end (one op when no shard needs padding)."""
+    flat = shards[0].new_empty(sum(layout.numel for layout in layouts), dtype=dtype)
+    if all(layout.local_rows == layout.rows_per_rank for layout in layouts):
+        return torch.cat([shard.reshape(-1) for shard in shards], out=flat)
+    targets, sources, offset = [], [], 0
+    for shard, layout in zip(shards, layouts):
+        rows = flat[offset : offset + layout.numel].view(layout.rows_per_rank, *layout.row_shape)
+        offset += layout.numel
+        rows[layout.local_rows :].zero_()
+        if layout.local_rows:
+            targets.append(rows[: layout.local_rows])
+            sources.append(shard)
+    torch._foreach_copy_(targets, sources)
+    return flat
+
+
+def _copy_out(gathered: torch.Tensor, world: int, layouts: tuple[_Layout, ...]) -> list[torch.Tensor]:
+    """Every member's unsharded param out of the gathered buffer, each in storage of its
+    own (one copy for the bucket: each rank's rows of a member lie apart in the buffer)."""
+    outs = [
+        gathered.new_empty((world * layout.rows_per_rank, *layout.row_shape)) for layout in layouts
+    ]
+    torch.split_with_sizes_copy(
+        gathered.view(world, -1),
+        [layout.numel for layout in layouts],
+        dim=1,
+        out=[out.view(world, layout.numel) for out, layout in zip(outs, layouts)],
+    )
+    return [
+        out if out.shape[0] == layout.whole_rows else out.narrow(0, 0, layout.whole_rows)
+        for out, layout in zip(outs, layouts)
+    ]
+
+
+class _BucketGather(torch.autograd.Function):
+    """The autograd node of one bucket: the copy-out in forward (the all-gather ran
+    before, outside autograd), the bucket's one reduce-scatter in backward."""
 
     @staticmethod
-    def forward(ctx, spec0: ShardSpec, layouts: tuple[_Layout, ...], *shards):  # type: ignore[override]
+    def forward(ctx, spec0: ShardSpec, layouts: tuple[_Layout, ...], gathered, *shards):  # type: ignore[override]
         ctx.meta = (spec0, layouts)
-        return tuple(_gather_flat(spec0, layouts, list(shards)))
+        return tuple(_copy_out(gathered, spec0.group_size, layouts))
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
         spec0, layouts = ctx.meta
-        dtype = spec0.reduce_dtype or grads[0].dtype
-        world = spec0.group_size
-        flat = torch.cat([g.to(dtype).reshape(world, -1) for g in grads], dim=1)
-        flat = collectives._average(flat, world, spec0.replicate)
-        reduced = collectives.reduce_scatter_sum(flat.reshape(-1), world, spec0.group_name)
-        reduced = collectives._over_replicas(reduced, spec0.replicate)
+        world, replicate = spec0.group_size, spec0.replicate
+        flat = grads[0].new_empty(
+            (world, sum(layout.numel for layout in layouts)),
+            dtype=spec0.reduce_dtype or grads[0].dtype,
+        )
+        # each grad cut into ``world`` chunks of its rows per rank (zero-padded), cast,
+        # and laid out rank-major: the reduce-scatter input, in one op
+        torch._chunk_cat([g.contiguous() for g in grads], dim=0, num_chunks=world, out=flat)
+        divisor = world * (replicate[0] if replicate else 1)
+        if divisor != 1:
+            flat.div_(divisor)  # averaged over ranks (dividing by one would change nothing)
+        reduced = collectives.reduce_scatter_sum(flat.view(-1), world, spec0.group_name)
+        reduced = collectives._over_replicas(reduced, replicate)
         out, offset = [], 0
         for layout in layouts:
             piece = reduced[offset : offset + layout.numel]
             offset += layout.numel
             piece = piece.view(layout.rows_per_rank, *layout.row_shape)[: layout.local_rows]
             out.append(collectives._to(piece, layout.shard_dtype))
-        return (None, None, *out)
+        return (None, None, None, *out)
 
 
-def gather_bucket(members: list[tuple[ShardSpec, torch.Tensor]]) -> list[torch.Tensor]:
-    """Issue one all-gather for ``members`` (``(spec, sharded param)``, one bucket); per
-    member, its slice of the result, to pass to ``hand_off`` (asynchronous in eager)."""
-    shards = [eager_local(p) for _, p in members]
-    return list(_GatherBucket.apply(members[0][0], _layouts(members), *shards))
+class Bucket:
+    """One issued bucket: its all-gather in flight, then its members, all copied out when
+    the first is asked for (``member``). Each member is handed out once; the bucket then
+    drops it, so a member lives only as long as its consumer keeps it."""
+
+    def __init__(self, members: list[tuple[ShardSpec, torch.Tensor]], *, differentiable: bool) -> None:
+        self.spec0 = members[0][0]
+        self.layouts = _layouts(members)
+        if differentiable:  # linked to the sharded params: the grads come back through here
+            shards = [eager_local(p) for _, p in members]
+        else:
+            shards = [p._local_tensor if isinstance(p, DTensor) else p for _, p in members]
+        self._shards: list[torch.Tensor] | None = shards if differentiable else None
+        dtype = self.spec0.param_dtype or members[0][1].dtype
+        gathered = collectives.all_gather(
+            _copy_in(dtype, self.layouts, shards), self.spec0.group_size, self.spec0.group_name
+        )
+        # a plain tensor, waited once for the bucket ([Note: plain bucket slices])
+        self._gathered: torch.Tensor | None = (
+            gathered.elem if isinstance(gathered, AsyncCollectiveTensor) else gathered
+        )
+        self._members: list[torch.Tensor | None] | None = None
+
+    def member(self, k: int) -> torch.Tensor:
+        """The k-th member's unsharded param (waits for the bucket the first time)."""
+        if self._members is None:
+            gathered = self.settle()
+            world = self.spec0.group_size
+            if self._shards is not None:
+                outs = _BucketGather.apply(self.spec0, self.layouts, gathered, *self._shards)
+            else:
+                with torch.no_grad():
+                    outs = _copy_out(gathered, world, self.layouts)
+            self._members, self._gathered, self._shards = list(outs), None, None
+        full, self._members[k] = self._members[k], None
+        if full is None:
+            raise RuntimeError(f"fczero: bucket member {k} was handed out twice (an internal error)")
+        return full
+
+    def settle(self) -> torch.Tensor | None:
+        """Wait for the bucket's all-gather (at most once); returns its plain result, or
+        None once the members are out."""
+        if self._gathered is not None:
+            collectives.wait_on(self._gathered)
+        return self._gathered
 
 
-@torch.no_grad()
-def regather_bucket(members: list[tuple[ShardSpec, torch.Tensor]]) -> list[torch.Tensor]:
+def gather_bucket(members: list[tuple[ShardSpec, torch.Tensor]]) -> Bucket:
+    """Issue one all-gather for ``members`` (``(spec, sharded param)``, one bucket) whose
+    grads come back through one reduce-scatter (asynchronous in eager)."""
+    return Bucket(members, differentiable=True)
+
+
+def regather_bucket(members: list[tuple[ShardSpec, torch.Tensor]]) -> Bucket:
     """Backward's regather of a bucket of saved params (no autograd: nothing reduces
-    through it); per member, its slice, to pass to ``unsharded``."""
-    shards = [p.to_local() if isinstance(p, DTensor) else p for _, p in members]
-    return _gather_flat(members[0][0], _layouts(members), shards)
-
-
-def unsharded(spec: ShardSpec, piece: torch.Tensor) -> torch.Tensor:
-    """A member's slice of its bucket -> the unsharded param, in storage of its own
-    (waits for the bucket). The reshape usually copies (each rank's rows lie apart in the
-    bucket), but with one rank, or one row per rank, it is a view of the whole bucket:
-    then it is copied here, since the reshard hooks key gathered params by storage."""
-    collectives.wait_on(piece)  # [Note: plain bucket slices]
-    full = piece.reshape(spec.group_size * spec.rows_per_rank, *spec.shape[1:])
-    if full.untyped_storage().nbytes() != full.numel() * full.element_size():
-        full = full.clone()
-    if full.shape[0] != spec.shape[0]:
-        full = full.narrow(0, 0, spec.shape[0])
-    return full
+    through it)."""
+    return Bucket(members, differentiable=False)

@@ -23,7 +23,7 @@ gathers are marked in the recorded order and run in place.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.utils.checkpoint
@@ -45,6 +45,13 @@ Recorded = tuple["ShardSpec", torch.Tensor, bool]
 _SAC_FORWARD_MODE = getattr(torch.utils.checkpoint, "_CachingTorchDispatchMode", None)
 
 
+class _Member(NamedTuple):
+    """A prefetched gather that is one member of an issued bucket."""
+
+    bucket: eager_buckets.Bucket
+    index: int
+
+
 class EagerPrefetch:
     """Per-root state: the recorded gather order and one forward's prefetched gathers."""
 
@@ -55,7 +62,7 @@ class EagerPrefetch:
         self.sizes: list[int] = []  # unsharded bytes of each recorded gather
         self.bucket_of: dict[int, list[int]] = {}  # position -> its bucket (positions)
         self._seen: list[Recorded] = []
-        self._ready: dict[int, torch.Tensor] = {}
+        self._ready: dict[int, torch.Tensor | _Member] = {}  # issued ahead, not handed over
         self._cursor = 0
         self._issued = 0
         self._ahead = 0  # unsharded bytes issued ahead and not handed over yet
@@ -80,13 +87,15 @@ class EagerPrefetch:
             return context.gather_now(spec, param)
         if n in self.bucket_of and n not in self._ready:
             self._issue(n, context)  # the first member of a bucket not issued yet
-        full = self._ready.pop(n, None)
-        if full is None:
+        ready = self._ready.pop(n, None)
+        if ready is None:
             full = context.gather_now(spec, param)
         else:
             self._ahead -= self.sizes[n]
-            if n in self.bucket_of:
-                full = context.hand_over(spec, param, eager_buckets.unsharded(spec, full))
+            if isinstance(ready, _Member):
+                full = context.hand_over(spec, param, ready.bucket.member(ready.index))
+            else:
+                full = ready
         self._issue_ahead(n, context)
         return full
 
@@ -98,9 +107,9 @@ class EagerPrefetch:
             self._ready[j] = context.gather_now(spec, param)
             self._ahead += self.sizes[j]
             return j + 1
-        members = [(self.order[i][0], self.order[i][1]) for i in bucket]
-        for i, piece in zip(bucket, eager_buckets.gather_bucket(members)):
-            self._ready[i] = piece
+        issued = eager_buckets.gather_bucket([(self.order[i][0], self.order[i][1]) for i in bucket])
+        for k, i in enumerate(bucket):
+            self._ready[i] = _Member(issued, k)
             self._ahead += self.sizes[i]
         return bucket[-1] + 1
 
@@ -130,10 +139,11 @@ class EagerPrefetch:
                 buckets = eager_buckets.plan(self.order, self.bucket_bytes)
                 self.bucket_of = {i: bucket for bucket in buckets for i in bucket}
                 self.sizes = [spec.unsharded_bytes(param) for spec, param, _ in self.order]
-        for i, full in self._ready.items():
-            collectives.settle(full)
-            if i in self.bucket_of:
-                collectives.wait_on(full)  # a bucket's plain slice
+        for ready in self._ready.values():
+            if isinstance(ready, _Member):
+                ready.bucket.settle()
+            else:
+                collectives.settle(ready)
         self._ready, self._seen, self._replaying = {}, [], False
 
 

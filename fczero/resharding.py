@@ -21,7 +21,7 @@ never unpacks are waited when backward ends (a callback queued on the autograd e
 
 With eager buckets on (``fczero.eager_buckets``), the saved params are cut into buckets
 along that list, as forward's gathers are: a regather issues its whole bucket as one
-all-gather, and each member is copied out when it is unpacked.
+all-gather, and the first member unpacked copies them all out.
 
 Backward walks the autograd graph in the same order on every rank, and the prefetch
 decisions use only that order and global shapes, so the regathers are issued in the
@@ -67,9 +67,10 @@ class _Recipe:
 
 @dataclass
 class _Piece:
-    """A regathered member's slice of its bucket, not yet copied out."""
+    """A regathered param that is one member of an issued bucket, not handed out yet."""
 
-    tensor: torch.Tensor
+    bucket: eager_buckets.Bucket
+    index: int
 
 
 @dataclass
@@ -183,7 +184,7 @@ class ReshardScope:
     @staticmethod
     def _finish(entry: _Gathered, pending: torch.Tensor | _Piece) -> torch.Tensor:
         if isinstance(pending, _Piece):
-            return eager_buckets.unsharded(entry.spec, pending.tensor)
+            return pending.bucket.member(pending.index)
         return collectives.settle(pending)
 
     def _buckets(self) -> dict[int, list[int]]:
@@ -204,14 +205,14 @@ class ReshardScope:
             self._mark_issued(entry)
             return entry.spec.regather(entry.param)
         members = [self.saved[i] for i in bucket]
-        pieces = eager_buckets.regather_bucket([(e.spec, e.param) for e in members])
+        issued = eager_buckets.regather_bucket([(e.spec, e.param) for e in members])
         mine: _Piece | None = None
-        for member, piece in zip(members, pieces):
+        for k, member in enumerate(members):
             self._mark_issued(member)
             if member is entry:
-                mine = _Piece(piece)
+                mine = _Piece(issued, k)
             else:
-                self._hold(member, _Piece(piece))
+                self._hold(member, _Piece(issued, k))
         return mine
 
     def _hold(self, entry: _Gathered, pending: torch.Tensor | _Piece) -> None:
@@ -266,7 +267,7 @@ class ReshardScope:
 
 def _settle(pending: torch.Tensor | _Piece) -> None:
     if isinstance(pending, _Piece):
-        collectives.wait_on(pending.tensor)  # a bucket's plain slice
+        pending.bucket.settle()
     else:
         collectives.settle(pending)
 

@@ -113,15 +113,12 @@ def test_bucketed_training_matches_the_reference():
     parity.assert_close(blocks, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_bucket_members_are_plain_slices_waited_by_their_consumer(fake_pg):
-    """[Note: plain bucket slices]: on an asynchronous group a bucket's members are plain
-    slices of the one all-gather; whichever member is waited first waits for the
-    collective, and nothing stays pending once every member was handed off."""
-    from fczero.collectives import wait_on
+def test_a_bucket_waits_and_copies_out_once(fake_pg):
+    """[Note: plain bucket slices], [Note: eager buckets]: a bucket's all-gather result is
+    a plain tensor, waited once, when its first member is asked for (whichever it is);
+    every member then has storage of its own, holds the param's values, and is handed
+    out once."""
     from fczero.testing.distributed import pending_collectives
-
-    def hand_off(spec, param, piece):  # what eager prefetch does with a bucket's member
-        return prefetch.hand_over(spec, param, eager_buckets.unsharded(spec, piece))
 
     model = fczero.parallelize(ThreeBlocks(dim=64), init_device_mesh("cpu", (2,)))
     members = [
@@ -130,16 +127,58 @@ def test_bucket_members_are_plain_slices_waited_by_their_consumer(fake_pg):
     ]
     before = pending_collectives()
     with CollectiveLog() as log:
-        pieces = eager_buckets.gather_bucket(members)
+        bucket = eager_buckets.gather_bucket(members)
     assert log.count("all_gather_into_tensor") == 1
-    assert all(type(p) is torch.Tensor for p in pieces)  # no subclass dispatch per op
     assert pending_collectives() == before + 1
-    wait_on(pieces[-1])  # the last member first: it waits for the bucket's collective
+    with CollectiveLog() as log:
+        last = bucket.member(len(members) - 1)  # the last member first: it waits for the bucket
+    assert log.ops == []  # the copy-out issues nothing
     assert pending_collectives() == before
-    for spec, param in members:
-        full = hand_off(spec, param, pieces.pop(0))
-        assert full.shape == spec.shape
+    fulls = [bucket.member(k) for k in range(len(members) - 1)] + [last]
+    storages = {full.untyped_storage().data_ptr() for full in fulls}
+    assert len(storages) == len(members)
+    for (spec, param), full in zip(members, fulls):
+        assert type(full) is torch.Tensor and full.shape == spec.shape
+        # on the fake process group only this rank's rows are real: they must be the shard
+        local = param.to_local()
+        torch.testing.assert_close(full[: local.shape[0]], local, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="handed out twice"):
+        bucket.member(0)
+    bucket = eager_buckets.gather_bucket(members)  # never used: settle waits for it
+    bucket.settle()
     assert pending_collectives() == before
-    pieces = eager_buckets.gather_bucket(members)  # handed off at once: waited there
-    hand_off(*members[0], pieces[0])
-    assert pending_collectives() == before
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_bucket_grads_are_the_per_param_reduce(world):
+    """One bucket's backward (grads laid out by one _chunk_cat, cast, averaged, one
+    reduce-scatter) gives each shard the grad that a per-param gather's backward gives:
+    uneven rows, padding, bf16 compute with fp32 reduce."""
+    assert run_on_ranks(_bucket_vs_single_grads, world) == [True] * world
+
+
+def _bucket_vs_single_grads(rank: int, world: int) -> bool:
+    mesh = init_device_mesh("cpu", (world,))
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
+    mp = fczero.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fczero.parallelize(model, mesh, mp_policy=mp)
+    members = [
+        (state.spec, sub._parameters[name])
+        for sub in model
+        for name, state in module_state(sub).params.items()
+    ]
+    g = torch.Generator().manual_seed(rank)
+    upstream = [torch.randn(spec.shape, generator=g).to(torch.bfloat16) for spec, _ in members]
+    bucket = eager_buckets.gather_bucket(members)
+    fulls = [bucket.member(k) for k in range(len(members))]
+    torch.autograd.backward(fulls, upstream)
+    bucketed = [p.grad.to_local().clone() for _, p in members]
+    for _, p in members:
+        p.grad = None
+    singles = [spec._gather(p.to_local()) for spec, p in members]
+    torch.autograd.backward([s.wait() if hasattr(s, "wait") else s for s in singles], upstream)
+    ok = all(
+        torch.equal(b, p.grad.to_local()) and torch.equal(f, s)
+        for b, (_, p), f, s in zip(bucketed, members, fulls, singles)
+    )
+    return ok
