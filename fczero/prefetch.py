@@ -18,6 +18,11 @@ Gathers inside a selective activation-checkpointing region are never prefetched 
 issue others: selective checkpointing records the ops a region runs in forward and
 expects the same ops when backward recomputes it, where nothing is prefetched. Such
 gathers are marked in the recorded order and run in place.
+
+One forward's prefetch, reshard scope and collective log travel together in an
+``EagerContext``, which the root's forward hooks open and close (``fczero.state``,
+[Note: the eager context of a forward]); a module's getter reaches it through its
+param's root, never through this module.
 """
 
 from __future__ import annotations
