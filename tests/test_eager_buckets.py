@@ -182,3 +182,52 @@ def _bucket_vs_single_grads(rank: int, world: int) -> bool:
         for b, (_, p), f, s in zip(bucketed, members, fulls, singles)
     )
     return ok
+
+
+class _OpCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts every op dispatched below autograd, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("blocks", [2, 6])
+def test_per_step_copies_and_waits_follow_buckets_not_params(fake_pg, blocks):
+    """Issue 17: no per-step work grows with the params where a per-bucket op would do. A
+    model of N blocks, one bucket per block (2 params each), in a bucketed eager step: one
+    wait per collective, one copy-in, one copy-out and one grad layout per bucket, and no
+    clone at all, whatever the number of params in a bucket."""
+
+    class Blocks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(blocks))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = torch.relu(block(x))
+            return x
+
+    block_bytes = (16 * 16 + 16) * 4
+    model = fczero.parallelize(
+        Blocks(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(bucket_bytes=block_bytes)
+    )
+    model(torch.randn(4, 16)).sum().backward()  # the first step records the order
+    with _OpCount() as ops:
+        model(torch.randn(4, 16)).sum().backward()
+    c = ops.counts
+    collectives = c.get("all_gather_into_tensor", 0) + c.get("reduce_scatter_tensor", 0)
+    # forward: a bucket per block; backward regathers each saved weight (the first
+    # block's is not saved: its input needs no grad), one param each, so no bucket
+    assert c["all_gather_into_tensor"] == blocks + (blocks - 1)
+    assert c["reduce_scatter_tensor"] == blocks
+    assert c["wait_tensor"] == collectives  # one wait per collective, none per member
+    assert c["split_with_sizes_copy"] == blocks  # one copy-out per bucket
+    assert c["_chunk_cat"] == blocks  # one grad layout per bucket
+    assert c.get("clone", 0) == 0
