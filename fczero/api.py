@@ -26,7 +26,7 @@ from fczero.offload import params as param_offload
 from fczero.offload import partition as offload_partition
 from fczero.passes import registry
 from fczero.passes.install import install
-from fczero.runtime import guards, resharding, stages, step_hooks
+from fczero.runtime import guards, stages, step_hooks
 from fczero.runtime import prefetch as eager_prefetch
 from fczero.runtime.wiring import wire_module
 
@@ -242,7 +242,6 @@ def parallelize(
     window = 0 if options.check is not None else comm.bucket_bytes * comm.prefetch
     root.prefetch = eager_prefetch.EagerPrefetch(window, comm.bucket_bytes)
     if options.check is not None:
-        consistency.enable(group_name, options.check.timeout_s)
         root.eager_log = consistency.EagerLog(group_name, options.check.timeout_s)
     model.register_forward_pre_hook(_root_pre_forward, with_kwargs=True)
     model.register_forward_hook(_root_post_forward, always_call=True)
@@ -333,33 +332,23 @@ def _install_passes(
         activation_offload=options.offload.activations,
         offload_min_bytes=options.offload.activation_min_bytes,
         param_itemsize=options.mp.param_dtype.itemsize if options.mp.param_dtype else None,
+        check_timeout_s=options.check.timeout_s if options.check is not None else None,
     )
     install()
-    offload_partition.forget(mesh.get_group().group_name)
     offload_partition.install(required=options.offload.activations != "off")
 
 
 def _root_pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Cast floating inputs to ``param_dtype`` (as FSDP2 does); in eager mode, mark the
-    root's forward, open the reshard scope (stage 3) and start eager prefetch."""
+    """Cast floating inputs to ``param_dtype`` (as FSDP2 does); in eager mode, open the
+    root's eager context ([Note: the eager context of a forward] in ``fczero.runtime.prefetch``)."""
     root = root_state(module)
     param_dtype = root.options.mp.param_dtype
     if param_dtype is not None:
         args, kwargs = tree_map_only(
             torch.Tensor, partial(_cast_floating, param_dtype), (args, kwargs)
         )
-    if torch.compiler.is_compiling():
-        return args, kwargs
-    root.in_forward = True
-    prefetcher = root.prefetch
-    if root.options.selective_unsharding:  # stages 1/2 gather nothing
-        root.scope = resharding.reshard_scope(prefetcher.window, prefetcher.bucket_bytes)
-        root.scope.__enter__()
-    if eager_prefetch.active is None:  # the outermost parallelized root prefetches
-        eager_prefetch.active = prefetcher
-        prefetcher.start()
-    if root.eager_log is not None and consistency.EagerLog.active is None:
-        root.eager_log.start()
+    if not torch.compiler.is_compiling():
+        eager_prefetch.enter_forward(root)
     return args, kwargs
 
 
@@ -368,20 +357,8 @@ def _cast_floating(dtype: torch.dtype, t: torch.Tensor) -> torch.Tensor:
 
 
 def _root_post_forward(module: nn.Module, args: object, output: object) -> None:
-    """Undo ``_root_pre_forward``: finish eager prefetch, close the reshard scope."""
+    """Undo ``_root_pre_forward``: close the eager context (the forward may have raised:
+    this hook always runs, and then skips the end-of-forward collective check)."""
     if torch.compiler.is_compiling():
         return  # nothing was opened
-    root = root_state(module)
-    root.in_forward = False
-    if eager_prefetch.active is root.prefetch:
-        eager_prefetch.active.finish()
-        eager_prefetch.active = None
-    scope, root.scope = root.scope, None
-    if scope is not None:
-        scope.__exit__(None, None, None)
-    log = root.eager_log
-    if log is not None and consistency.EagerLog.active is log:
-        if sys.exc_info()[0] is None:
-            log.finish()  # compare this forward's gathers with every rank's
-        else:
-            consistency.EagerLog.active = None  # the forward raised: that error goes up
+    eager_prefetch.exit_forward(root_state(module), raised=sys.exc_info()[0] is not None)

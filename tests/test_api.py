@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fczero
+from fczero.core.state import root_state
 from fczero.testing import parity
 from fczero.testing.distributed import run_on_ranks
 from tests.models import (
@@ -161,20 +162,170 @@ def _two_models_side_by_side(rank: int, world_size: int) -> list[parity.Trace]:
         for i, (opt, loss) in enumerate(zip(optimizers, total)):
             opt.step()
             opt.zero_grad(set_to_none=True)
-            reduced = loss.detach().clone()
-            torch.distributed.all_reduce(reduced)
-            losses[i].append(reduced.item() / world_size)
+            losses[i].append(_mean_over_ranks(loss, world_size))
     return [
         parity.Trace(losses[i], {n: p.full_tensor().detach() for n, p in m.named_parameters()})
         for i, m in enumerate(models)
     ]
 
 
+def _mean_over_ranks(loss: torch.Tensor, world_size: int) -> float:
+    reduced = loss.detach().clone()
+    torch.distributed.all_reduce(reduced)
+    return reduced.item() / world_size
+
+
+def _my_rows(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world_size: int):
+    size = batch[0].shape[0] // world_size
+    return tuple(t[rank * size : (rank + 1) * size] for t in batch)
+
+
+def _interleaved(rank: int, world_size: int) -> tuple[list[parity.Trace], list[bool]]:
+    """Two stage-3 models with eager prefetch and resharding on (other buckets and windows),
+    stepped as forward A, forward B, backward A, backward B: each forward's gathers must go
+    through its own root's prefetch, and each backward regather through the reshard scope
+    of its own forward. Also returns, per model, that its recorded gather order holds its
+    own params only."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    blocks = fczero.parallelize(
+        ThreeBlocks(), mesh, comm_policy=fczero.CommPolicy(bucket_bytes=1 << 20)
+    )
+    torch.manual_seed(1)
+    llama = fczero.parallelize(
+        tiny_llama(), mesh, comm_policy=fczero.CommPolicy(bucket_bytes=4096, prefetch=2)
+    )
+    models = (blocks, llama)
+    optimizers = [parity.make_optimizer("sgd", m.parameters(), 0.05) for m in models]
+    criteria = (parity.mse, parity.cross_entropy)
+    losses: list[list[float]] = [[], []]
+    for step_batches in zip(block_batches(steps=3), token_batches(steps=3)):
+        pending = []
+        for model, criterion, batch in zip(models, criteria, step_batches):
+            inputs, target = _my_rows(batch, rank, world_size)
+            pending.append(criterion(model(inputs), target))  # forward A, then forward B
+        for loss in pending:
+            loss.backward()  # backward A, then backward B
+        for i, (opt, loss) in enumerate(zip(optimizers, pending)):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[i].append(_mean_over_ranks(loss, world_size))
+    own = []
+    for model in models:
+        root = root_state(model)
+        params = {id(s.param) for s in root.params}
+        order = root.prefetch.order
+        own.append(bool(order) and all(id(p) in params for _, p, _ in order))
+    traces = [
+        parity.Trace(losses[i], {n: p.full_tensor().detach() for n, p in m.named_parameters()})
+        for i, m in enumerate(models)
+    ]
+    return traces, own
+
+
+class _Around(nn.Module):
+    """A model whose forward calls another model, kept outside its module tree (so both
+    can be parallelized, each as a root): the inner root runs inside the outer's forward."""
+
+    def __init__(self, inner: nn.Module, dim: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.out = nn.Linear(8, 8)
+        self.inner = [inner]  # a plain list: not a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.inner[0](torch.relu(self.inp(x)))))
+
+
+NESTED_DIM = 32
+
+
+def _build_nested() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(2)
+    inner = ThreeBlocks(NESTED_DIM)
+    return _Around(inner, NESTED_DIM), inner
+
+
+def _params_of(outer: nn.Module, inner: nn.Module, whole) -> dict[str, torch.Tensor]:
+    named = [*outer.named_parameters(), *(("inner." + n, p) for n, p in inner.named_parameters())]
+    return {n: whole(p).detach().clone() for n, p in named}
+
+
+def _nested_reference() -> parity.Trace:
+    outer, inner = _build_nested()
+    opt = parity.make_optimizer("sgd", [*outer.parameters(), *inner.parameters()], 0.05)
+    losses = []
+    for inputs, target in block_batches(steps=3, dim=NESTED_DIM):
+        loss = parity.mse(outer(inputs), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return parity.Trace(losses, _params_of(outer, inner, lambda p: p))
+
+
+def _nested(rank: int, world_size: int) -> tuple[parity.Trace, dict[str, object]]:
+    """A parallelized root called from another root's forward joins the outer root's eager
+    context: while it runs, both roots' getters reach one context, which the outer root
+    opened; the outer root's prefetch records the gathers of both."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    outer, inner = _build_nested()
+    fczero.parallelize(inner, mesh, comm_policy=fczero.CommPolicy(bucket_bytes=4096))
+    fczero.parallelize(outer, mesh, comm_policy=fczero.CommPolicy(bucket_bytes=4096))
+    outer_root, inner_root = root_state(outer), root_state(inner)
+    seen: list[bool] = []
+
+    def probe(module: nn.Module, args: object, output: object) -> None:
+        context = inner_root.context
+        seen.append(context is not None and context is outer_root.context)
+        seen.append(context is not None and context.owner is outer_root)
+
+    inner.blocks[1].register_forward_hook(probe)
+    opt = parity.make_optimizer("sgd", [*outer.parameters(), *inner.parameters()], 0.05)
+    losses = []
+    for batch in block_batches(steps=3, dim=NESTED_DIM):
+        inputs, target = _my_rows(batch, rank, world_size)
+        loss = parity.mse(outer(inputs), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(_mean_over_ranks(loss, world_size))
+    facts = {
+        "joined": seen,
+        "closed": outer_root.context is None and inner_root.context is None,
+        "outer records": len(outer_root.prefetch.order),
+        "inner records": inner_root.prefetch.order,
+    }
+    return parity.Trace(losses, _params_of(outer, inner, lambda p: p.full_tensor())), facts
+
+
+def _three_ways(rank: int, world_size: int) -> dict[str, object]:
+    return {
+        "summed": _two_models_side_by_side(rank, world_size),
+        "interleaved": _interleaved(rank, world_size),
+        "nested": _nested(rank, world_size),
+    }
+
+
 def test_two_models_in_one_process_share_nothing():
-    blocks, llama = run_on_ranks(_two_models_side_by_side, 2)[0]
+    """Each parallelized model trains as the plain model does, whether its forward and
+    backward run between another model's, with another model's, or inside another
+    parallelized root's forward."""
+    out = run_on_ranks(_three_ways, 2)[0]
     expected_blocks = parity.train_reference(ThreeBlocks, block_batches(steps=3), parity.mse, seed=0)
     expected_llama = parity.train_reference(
         tiny_llama, token_batches(steps=3), parity.cross_entropy, seed=1
     )
+    blocks, llama = out["summed"]
     parity.assert_close(blocks, expected_blocks, rtol=1e-5, atol=1e-6)
     parity.assert_close(llama, expected_llama, rtol=1e-5, atol=1e-6)
+    (blocks, llama), own_orders = out["interleaved"]
+    parity.assert_close(blocks, expected_blocks, rtol=1e-5, atol=1e-6)
+    parity.assert_close(llama, expected_llama, rtol=1e-5, atol=1e-6)
+    assert own_orders == [True, True]
+    nested, facts = out["nested"]
+    parity.assert_close(nested, _nested_reference(), rtol=1e-5, atol=1e-6)
+    assert facts["joined"] == [True] * 6  # 3 forwards, 2 facts each
+    assert facts["closed"]
+    assert facts["outer records"] == 4 + 7  # its own 4 gathers and the inner root's 7
+    assert facts["inner records"] is None  # the inner root never prefetched on its own

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from collections.abc import Collection, Mapping
 from datetime import timedelta
 
 import torch
@@ -45,22 +46,10 @@ from fczero.comm.graph_ops import collective_group, op_name
 
 logger = logging.getLogger("fczero")
 
-_TIMEOUT_S: dict[str, float] = {}  # checked group name -> seconds to wait for the other ranks
-_GRAPHS: dict[str, int] = {}  # group name -> graphs checked so far on this rank
-_ROUNDS: dict[tuple[str, str], int] = {}  # (group, kind) -> exchanges so far on this rank
 
 
 class CollectiveMismatchError(RuntimeError):
     """Ranks would issue different collectives (or one rank never reached the check)."""
-
-
-def enable(group_name: str, timeout_s: float) -> None:
-    """Check the graphs compiled for ``group_name`` from now on."""
-    _TIMEOUT_S[group_name] = timeout_s
-
-
-def disable(group_name: str) -> None:
-    _TIMEOUT_S.pop(group_name, None)
 
 
 def _checkable(group_name: str) -> bool:
@@ -72,15 +61,23 @@ def exchange(group_name: str, kind: str, entries: list[str], timeout_s: float, w
     """Publish ``entries`` as this rank's fingerprint of ``what``; raise if another rank's differs.
 
     ``kind`` names the sequence of exchanges this belongs to; the n-th exchange of a kind
-    on one rank is compared with the n-th of the same kind on every other rank.
+    on one rank is compared with the n-th of the same kind on every other rank. ``what``
+    may name that number as ``{n}``.
+
+    [Note: where the exchange counts live]
+    This rank's count of exchanges of each kind on a group is kept in the store, beside
+    the keys it numbers (``fczero/<group>/<kind>/count/<rank>``, bumped by ``store.add``),
+    not in this process's memory: it is per group and per rank by construction, every
+    model checked on that group takes its turn in the same sequence on every rank, and
+    a new process group starts with a new store.
     """
     if not _checkable(group_name):
         return
     group = c10d._resolve_process_group(group_name)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    number = _ROUNDS.get((group_name, kind), 0)
-    _ROUNDS[(group_name, kind)] = number + 1
     base = c10d._get_default_store()
+    number = base.add(f"fczero/{group_name}/{kind}/count/{rank}", 1) - 1
+    what = what.format(n=number)
     store = dist.PrefixStore(f"fczero/{group_name}/{kind}/{number}", base)
     store.set(str(rank), json.dumps(entries))
     others = [r for r in range(world) if r != rank]
@@ -150,12 +147,12 @@ def check_model(
 # ---- compiled graphs ------------------------------------------------------------------
 
 
-def graph_collectives(graph: fx.Graph) -> dict[str, list[str]]:
-    """The collectives of ``graph`` on each checked group, in program order."""
+def graph_collectives(graph: fx.Graph, checked: Collection[str]) -> dict[str, list[str]]:
+    """The collectives of ``graph`` on each group in ``checked``, in program order."""
     found: dict[str, list[str]] = {}
     for node in graph.nodes:
         group = collective_group(node)
-        if group is None or group not in _TIMEOUT_S:
+        if group is None or group not in checked:
             continue
         name = op_name(node)
         val = node.meta.get("val")
@@ -166,23 +163,22 @@ def graph_collectives(graph: fx.Graph) -> dict[str, list[str]]:
     return found
 
 
-def check_graph(gm: fx.GraphModule) -> None:
-    """Compare this graph's collectives with the graph of the same number on every rank."""
-    for group, entries in graph_collectives(gm.graph).items():
-        number = _GRAPHS.get(group, 0)
-        _GRAPHS[group] = number + 1
-        exchange(
-            group, "graph", entries, _TIMEOUT_S[group], f"compiled graph #{number} of this process"
-        )
+def check_graph(gm: fx.GraphModule, timeouts: Mapping[str, float]) -> None:
+    """Compare this graph's collectives with the graph of the same number on every rank;
+    ``timeouts``: the checked groups (those of ``parallelize`` calls with a ``check_policy``,
+    kept with the pass settings in ``fczero.passes.registry``) and their ``timeout_s``."""
+    if not timeouts:
+        return
+    for group, entries in graph_collectives(gm.graph, timeouts).items():
+        exchange(group, "graph", entries, timeouts[group], "compiled graph #{n} of this process")
 
 
 # ---- eager forwards -------------------------------------------------------------------
 
 
 class EagerLog:
-    """The gathers one eager forward of a parallelized root issued, for ``exchange``."""
-
-    active: EagerLog | None = None  # the log of the forward running now, if it is checked
+    """The gathers one eager forward of a parallelized root issued, for ``exchange``: one
+    per checked root, opened by its forward's context (``fczero.runtime.prefetch.EagerContext``)."""
 
     def __init__(self, group_name: str, timeout_s: float) -> None:
         self.group_name = group_name
@@ -196,10 +192,8 @@ class EagerLog:
 
     def start(self) -> None:
         self.entries = []
-        EagerLog.active = self
 
     def finish(self) -> None:
-        EagerLog.active = None
         self.forwards += 1
         exchange(
             self.group_name,
@@ -210,20 +204,11 @@ class EagerLog:
         )
 
 
-def note_gather(shape: torch.Size, dtype: torch.dtype | None) -> None:
-    """Record an eager gather in the checked forward running now (a no-op otherwise)."""
-    if EagerLog.active is not None:
-        EagerLog.active.note(shape, dtype)
-
-
 __all__ = [
     "CollectiveMismatchError",
     "EagerLog",
     "check_graph",
     "check_model",
-    "disable",
-    "enable",
     "exchange",
     "graph_collectives",
-    "note_gather",
 ]

@@ -23,7 +23,6 @@ rank add zeros) and each param's rows are written to its sharded ``.grad``. Unde
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -48,13 +47,7 @@ class Route:
     start: int  # first row this rank holds
     reduce_dtype: torch.dtype
     shard_dtype: torch.dtype
-    reducer: int  # key of the eager Reducer (stage 1), -1 for none
-    index: int  # this param's slot in that Reducer
-
-
-#: Eager stage-1 reducers by key (``Route.reducer``); a Route holds only constants. Weak:
-#: the root's state owns its Reducer.
-REDUCERS: weakref.WeakValueDictionary[int, Reducer] = weakref.WeakValueDictionary()
+    index: int  # this param's slot in its root's eager Reducer (stage 1), -1 for none
 
 
 def reduce_whole_grad(grad: torch.Tensor, route: Route) -> torch.Tensor:
@@ -77,10 +70,10 @@ class _WholeParam(torch.autograd.Function):
     """Forward: the whole param (no collective). Backward: see the module docstring."""
 
     @staticmethod
-    def forward(ctx, local, whole, acc, pending, route):  # type: ignore[override]
+    def forward(ctx, local, whole, acc, pending, route, reducer):  # type: ignore[override]
         ctx.route = route
+        ctx.reducer = reducer
         ctx.accumulate = acc is not None
-        ctx.eager = not collectives._tracing()
         ctx.has_pending = pending is not None
         if pending is not None:
             ctx.save_for_backward(pending)
@@ -91,14 +84,13 @@ class _WholeParam(torch.autograd.Function):
         route: Route = ctx.route
         grad = grad.to(route.reduce_dtype)
         if ctx.accumulate:
-            return None, None, grad, None, None
+            return None, None, grad, None, None, None
         if ctx.has_pending:
             grad = grad + ctx.saved_tensors[0]
-        red = REDUCERS.get(route.reducer) if route.kind == "rows" and ctx.eager else None
-        if red is not None:
-            red.ready(route.index, grad)
-            return None, None, None, None, None  # the Reducer writes the sharded .grad
-        return reduce_whole_grad(grad, route), None, None, None, None
+        if ctx.reducer is not None:
+            ctx.reducer.ready(route.index, grad)
+            return None, None, None, None, None, None  # the Reducer writes the sharded .grad
+        return reduce_whole_grad(grad, route), None, None, None, None, None
 
 
 def whole_param(
@@ -107,10 +99,13 @@ def whole_param(
     acc: torch.Tensor | None,
     pending: torch.Tensor | None,
     route: Route,
+    reducer: Reducer | None = None,
 ) -> torch.Tensor:
     """``whole`` for forward; backward reduces into ``local``'s grad, or accumulates into
-    ``acc.grad`` when ``acc`` is given; ``pending`` (accumulated earlier) joins the reduce."""
-    return _WholeParam.apply(local, whole, acc, pending, route)
+    ``acc.grad`` when ``acc`` is given; ``pending`` (accumulated earlier) joins the reduce.
+    ``reducer``: eager stage 1, the root's ``Reducer``, which takes the grad instead (None
+    in a compiled graph, which all-reduces each grad itself)."""
+    return _WholeParam.apply(local, whole, acc, pending, route, reducer)
 
 
 class Reducer:

@@ -30,9 +30,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn as nn
@@ -55,8 +54,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("fczero")
 
-#: The eager runtime's gather of one sharded param (``fczero.runtime.prefetch.eager_gather``).
-EagerGather = Callable[["ShardSpec", torch.Tensor], torch.Tensor]
+
+class EagerGatherer(Protocol):
+    """What gathers a sharded param in eager mode: its ``ParamState`` (``fczero.core.state``),
+    which goes through the eager runtime of its root's running forward."""
+
+    def gather_eagerly(self, spec: ShardSpec, param: torch.Tensor) -> torch.Tensor: ...
+
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -98,17 +102,18 @@ class ShardSpec:
         dtype = self.param_dtype or param.dtype
         return math.prod(self.shape) * dtype.itemsize
 
-    def unshard(self, param: torch.Tensor, eager_gather: EagerGather) -> torch.Tensor:
+    def unshard(self, param: torch.Tensor, eager: EagerGatherer) -> torch.Tensor:
         """Sharded param (DTensor) -> unsharded param, differentiably: a plain tensor, or
         for a tensor-parallel param the tensor-parallel DTensor (``fczero.comm.meshes``).
-        ``eager_gather(spec, param)`` is the eager runtime's gather (``fczero.runtime.prefetch``),
-        used outside compiled graphs for params with rows."""
-        full = self._unshard_local(param, eager_gather)
+        ``eager.gather_eagerly(spec, param)`` is the eager runtime's gather
+        (``fczero.runtime.prefetch``), used outside compiled graphs for params with rows (a method
+        of an argument, read only there: a compiled gather reads nothing of it)."""
+        full = self._unshard_local(param, eager)
         if self.tensor_parallel is not None:
             return self.tensor_parallel.wrap(full)
         return full
 
-    def _unshard_local(self, param: torch.Tensor, eager_gather: EagerGather) -> torch.Tensor:
+    def _unshard_local(self, param: torch.Tensor, eager: EagerGatherer) -> torch.Tensor:
         if self.is_scalar:
             return collectives.replicate_scalar(
                 self._on_device(_local(param)),
@@ -126,7 +131,7 @@ class ShardSpec:
             return checkpoint(
                 self._gather, _local(param), use_reentrant=False, context_fn=_recompute_everything
             )
-        return eager_gather(self, param)
+        return eager.gather_eagerly(self, param)
 
     def _on_device(self, local: torch.Tensor) -> torch.Tensor:
         """The shard where the collectives run (a copy from the host under param offload;

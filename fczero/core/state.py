@@ -24,8 +24,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fczero.comm import collectives
+from fczero.comm.consistency import EagerLog
 from fczero.comm.reducer import Reducer, Route
-from fczero.core.spec import sharded_grad
+from fczero.core.spec import eager_local, sharded_grad
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -51,23 +53,23 @@ class ModuleState:
 class OptimizerState:
     """An optimizer's ``_fczero``."""
 
-    __slots__ = ("offload", "in_parts", "host_step_checked", "params", "states")
+    __slots__ = ("offload", "in_parts", "host_step_checked", "params", "states", "swap")
 
     def __init__(self) -> None:
         self.offload: list[Any] = []  # OptimizerOffload handles (fczero.offload.optimizer)
         self.in_parts = False  # set while it steps part of its params (one_step_in_parts)
         self.host_step_checked = False  # host memory checked for its host step (param offload)
-        # its params when last looked up, and weak references to their states
+        # its params when last looked up (and checked: none replaced by parallelize), and
+        # weak references to their states
         self.params: tuple[torch.Tensor, ...] = ()
         self.states: list[weakref.ref] = []
+        self.swap: Any = None  # what a step on local shards swapped in (fczero.runtime.local_step)
 
     @staticmethod
     def of(optimizer: torch.optim.Optimizer) -> OptimizerState:
-        """The optimizer's ``_fczero`` if it has one, else a fresh record left unattached."""
-        return optimizer.__dict__.get(ATTR) or _NO_RECORD
-
-
-_NO_RECORD = OptimizerState()  # read-only stand-in: what a record holds before any use
+        """The optimizer's ``_fczero`` if it has one, else a fresh record left unattached
+        (what a record holds before any use; writing to it changes nothing)."""
+        return optimizer.__dict__.get(ATTR) or OptimizerState()
 
 
 def module_state(module: nn.Module, create: bool = False) -> ModuleState | None:
@@ -94,28 +96,43 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> OptimizerState:
 
 
 class RootState:
-    """One parallelized root: its options, its params in order, the sync flag, and the
-    eager context of its forward (prefetch, reshard scope, reducer, collective log)."""
+    """One parallelized root: its options, its params in order, the sync flag, the
+    reducer, and the eager context of its forward (prefetch, reshard scope, collective log).
+
+    The eager runtime opens and closes the context of each of its forwards
+    (``fczero.runtime.prefetch.enter_forward``, [Note: the eager context of a forward]);
+    the state only holds them."""
 
     def __init__(self, options: Options, mesh: DeviceMesh) -> None:
         self.options = options
         self.mesh = mesh
         self._sync = True
-        self.in_forward = False  # an eager forward of the root is running
         self.params: list[ParamState] = []  # registration order, identical on every rank
         self.reducer: Reducer | None = None
-        self.reducer_key = -1
         # selective unsharding (``fczero.core.unsharding``): the plan from keep_unsharded bytes
         # (a KeptPlan), or the automatic planner (an AutoUnsharding). Set by the layers
         # above, which own those types.
         self.kept: Any = None
         self.auto_unsharding: Any = None
         # the eager runtime of this root (set by ``parallelize``): its prefetch (an
-        # ``EagerPrefetch``), the reshard scope open during its forward, its collective log
+        # ``EagerPrefetch``), whose recorded order lasts from forward to forward, and its
+        # collective log (checked)
         self.prefetch: Any = None
-        self.scope: Any = None
-        self.eager_log: Any = None
+        self.eager_log: EagerLog | None = None
+        # the forwards of this root running now, innermost last: the context each runs in
+        # (an ``EagerContext``), and what it opened itself there (its own context; its log
+        # in a joined one)
+        self.forwards: list[tuple[Any, bool, bool]] = []
 
+    @property
+    def in_forward(self) -> bool:
+        """An eager forward of the root is running."""
+        return bool(self.forwards)
+
+    @property
+    def context(self) -> Any:
+        """The ``EagerContext`` of this root's running forward (None between forwards)."""
+        return self.forwards[-1][0] if self.forwards else None
 
     @property
     def sync(self) -> bool:
@@ -177,6 +194,17 @@ class ParamState:
             param.grad = sharded_grad(grad, param._spec)
         else:  # accumulated over steps without zero_grad, as AccumulateGrad would
             param.grad._local_tensor.add_(grad)
+
+    def gather_eagerly(self, spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
+        """The eager gather (``ShardSpec.unshard`` calls it outside compiled graphs): through
+        the eager context of this param's root's running forward (its prefetch, reshard
+        scope and log: ``fczero.runtime.prefetch.EagerContext``), or alone outside one
+        (activation checkpointing's recompute in backward, a submodule called outside its
+        root's forward)."""
+        context = self.root.context
+        if context is not None:
+            return context.gather(spec, param)
+        return collectives.settle(spec._gather(eager_local(param)))
 
     def new_accumulator(self) -> None:
         """A leaf whose ``.grad`` collects this param's whole grads (reduce_dtype); the leaf

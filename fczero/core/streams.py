@@ -25,20 +25,33 @@ import torch
 
 logger = logging.getLogger("fczero")
 
+# [Note: what offload keeps per process]
+# CUDA streams belong to a device, not to a model, and the copies of every model run on
+# the same two per device; a copy's completion is found again from the tensor it wrote
+# (the wait is a separate op, in eager and in compiled graphs alike, and only the tensor
+# travels between them). So these tables are the process's, guarded by one lock (copies
+# may be issued from autograd's threads). Whether pinned host memory was refused is a
+# fact of the process too: it is said once.
 _lock = threading.Lock()
-_side_streams: dict[int, torch.cuda.Stream] = {}
-_writeback_streams: dict[int, torch.cuda.Stream] = {}
-_pending: dict[int, torch.cuda.Event] = {}
-_warned: set[str] = set()
+_side_streams: dict[int, torch.cuda.Stream] = {}  # device index -> offload/reload stream
+_writeback_streams: dict[int, torch.cuda.Stream] = {}  # device index -> optimizer write-back
+_pending: dict[int, torch.cuda.Event] = {}  # destination data_ptr -> its copy's event
+_warned: set[str] = set()  # the process-wide facts already warned about ("pinned")
 
 
-def warn_once(key: str, message: str) -> None:
-    """Log (and warn) ``message`` the first time ``key`` is seen in this process."""
-    if key in _warned:
-        return
-    _warned.add(key)
+def warn(message: str, stacklevel: int = 3) -> None:
+    """Log and warn ``message`` (callers decide how often: per settings, per handle...)."""
     logger.warning(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+
+def _warn_once(key: str, message: str) -> None:
+    """Log and warn ``message`` the first time ``key`` is seen in this process."""
+    with _lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warn(message, stacklevel=4)
 
 
 def _stream_in(table: dict[int, torch.cuda.Stream], device: torch.device) -> torch.cuda.Stream:
@@ -69,7 +82,7 @@ def host_buffer(like: torch.Tensor, pin: bool = True) -> torch.Tensor:
         try:
             return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
         except RuntimeError as err:  # pinning refused: pageable memory still works
-            warn_once(
+            _warn_once(
                 "pinned",
                 "fczero: pinned host memory could not be allocated "
                 f"({str(err).splitlines()[0]}); offloaded tensors use pageable memory, "

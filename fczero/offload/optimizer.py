@@ -214,6 +214,7 @@ class OptimizerOffload:
         self.summary = OptimizerOffloadSummary()
         self._planned: dict[torch.Tensor, list[_Slot]] = {}  # param -> its offloaded states
         self._inside_chunks = False
+        self._said_cpu = False  # "states already in CPU memory" warned (once per handle)
         self._prefetched: list[torch.cuda.Event] = []  # copies prefetch() started
         self._handles = [
             optimizer.register_step_pre_hook(self._before_step),
@@ -267,11 +268,11 @@ class OptimizerOffload:
                 summary.offloaded.append(f"{name}.{key}")
                 summary.offloaded_bytes += size
             self._planned[p] = slots
-            if any(s.device.type == "cpu" for s in slots):
-                streams.warn_once(
-                    "optimizer-cpu",
+            if any(s.device.type == "cpu" for s in slots) and not self._said_cpu:
+                self._said_cpu = True
+                streams.warn(
                     "fczero: optimizer states are already in CPU memory (no CUDA device); "
-                    "offloading copies them between host buffers and saves no memory.",
+                    "offloading copies them between host buffers and saves no memory."
                 )
 
     # -- copies ----------------------------------------------------------------------

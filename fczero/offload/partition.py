@@ -4,7 +4,7 @@ Only the partitioner sees both graphs and knows which forward outputs are saved 
 backward, so activation offload runs here rather than among the post-grad passes.
 ``partition`` wraps the min-cut partitioner (or the one the user had set) and leaves
 graphs whose process group asked for no offload as they are (it only records
-their planned peak for ``memory_report``). ``install`` hands it to
+their planned peak for ``memory_report``, with the group's pass settings). ``install`` hands it to
 Inductor through ``torch._inductor.config.custom_partitioner_fn``; the test backend
 ``fczero.testing.backends.aot_eager_with_passes`` uses it directly.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections import defaultdict
 from pathlib import Path
 
 import torch.fx as fx
@@ -21,20 +20,11 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor import config as inductor_config
 
 from fczero.core import streams
-from fczero.offload.activations import ActivationPlan, offload_activations
+from fczero.offload.activations import offload_activations
 from fczero.passes import registry
 from fczero.passes.install import code_hash
 
 logger = logging.getLogger("fczero")
-
-# group name -> plans of the forward/backward pairs compiled for it, oldest first
-recorded_plans: dict[str, list[ActivationPlan]] = defaultdict(list)
-
-
-def forget(group_name: str) -> None:
-    """Drop the plans recorded for a group (``parallelize`` calls it: a new model's report
-    starts empty)."""
-    recorded_plans.pop(group_name, None)
 
 
 def partition(gm: fx.GraphModule, joint_inputs, *, base=None, **kwargs):
@@ -52,13 +42,12 @@ def partition(gm: fx.GraphModule, joint_inputs, *, base=None, **kwargs):
         min_bytes=settings.offload_min_bytes,
         budget=settings.memory_budget,
     )
-    for group in sorted(settings.groups):
-        recorded_plans[group].append(plan)
-    if plan.offloaded and plan.device_type == "cpu":
-        streams.warn_once(
-            "activations-cpu",
+    settings.plans.append(plan)  # (a later parallelize on the group starts a new list)
+    if plan.offloaded and plan.device_type == "cpu" and "activations-cpu" not in settings.warned:
+        settings.warned.add("activations-cpu")
+        streams.warn(
             "fczero: OffloadPolicy.activations on a CPU graph: activations are copied between host "
-            "buffers (the graph runs as with offload) and no memory is saved.",
+            "buffers (the graph runs as with offload) and no memory is saved."
         )
     return fw, bw
 

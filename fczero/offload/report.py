@@ -23,7 +23,7 @@ from fczero.core.state import root_state
 from fczero.core.unsharding import report_line
 from fczero.offload.activations import ActivationPlan
 from fczero.offload.optimizer import OptimizerOffload, OptimizerOffloadSummary
-from fczero.offload.partition import recorded_plans
+from fczero.passes import registry
 
 logger = logging.getLogger("fczero")
 
@@ -146,4 +146,6 @@ def memory_report(
     summary = optimizer_offload.summary if optimizer_offload is not None else None
     root = root_state(model)
     kept = None if root is None else report_line(root.kept, root.auto_unsharding)
-    return MemoryReport(list(recorded_plans.get(group, [])), summary, measured_peak, kept)
+    settings = registry.settings_of(group)  # its plans: of the graphs compiled since parallelize
+    plans = list(settings.plans) if settings is not None else []
+    return MemoryReport(plans, summary, measured_peak, kept)

@@ -21,7 +21,7 @@ import torch.fx as fx
 from fczero.comm import consistency
 from fczero.passes.all_reduce import bucket_all_reduces_pass
 from fczero.passes.bucketing import bucket_all_gathers_pass, bucket_reduce_scatters_pass
-from fczero.passes.registry import PassSettings, settings_for_graph
+from fczero.passes.registry import PassSettings, check_timeouts, settings_for_graph
 from fczero.passes.schedule import (
     one_in_flight_pass,
     prefetch_all_gathers_pass,
@@ -33,7 +33,7 @@ __all__ = ["PassSettings", "run_passes"]
 
 def run_passes(gm: fx.GraphModule, settings: PassSettings | None = None) -> fx.GraphModule:
     """Apply every fczero pass to ``gm`` (a post-grad forward or backward graph)."""
-    consistency.check_graph(gm)  # with a check_policy: the same collectives on every rank
+    consistency.check_graph(gm, check_timeouts())  # check_policy: the same collectives everywhere
     if settings is None:
         settings = settings_for_graph(gm.graph)
         if settings is None:
@@ -46,5 +46,7 @@ def run_passes(gm: fx.GraphModule, settings: PassSettings | None = None) -> fx.G
         )
         gm = bucket_all_reduces_pass(gm, groups | settings.replicate_groups, settings.bucket_bytes)
     gm = sink_waits_pass(gm, groups)
-    gm = prefetch_all_gathers_pass(gm, groups, settings.prefetch, settings.memory_budget)
+    gm = prefetch_all_gathers_pass(
+        gm, groups, settings.prefetch, settings.memory_budget, settings.warned
+    )
     return one_in_flight_pass(gm, groups | settings.replicate_groups)

@@ -1,13 +1,18 @@
 """Which process groups are fczero's, and the pass settings that ``parallelize`` chose.
 
-Inductor calls a custom pass with nothing but the graph, so ``parallelize`` records
-here, per data-parallel process group, how to bucket and prefetch. A graph whose
-collectives use none of these groups is none of fczero's business.
+Inductor calls a custom pass (and its partitioner hook) with nothing but the graph, and
+its settings are the process's, so ``parallelize`` records here, per data-parallel
+process group, how to bucket and prefetch, and whether to check the graphs' collectives
+across ranks. A graph whose collectives use none of these groups is none of fczero's
+business. This table is fczero's one record of the compiled path that outlives a call:
+the settings of a group also carry what the passes noted while compiling under them
+(the activation plans ``memory_report`` shows, the warnings already given), so a later
+``parallelize`` on the same group starts both afresh.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.fx as fx
 
@@ -25,8 +30,17 @@ class PassSettings:
     offload_min_bytes: int = 0
     # bytes of an element of param_dtype: reduces are sized at it (None: their own dtype)
     param_itemsize: int | None = None
+    # check_policy: seconds to wait for the other ranks' graphs (None: graphs unchecked)
+    check_timeout_s: float | None = None
+    # What compiling under these settings produced: not settings, so left out of the
+    # comparison and of the repr (which keys Inductor's cache). The activation plan of
+    # each forward/backward pair partitioned, oldest first (``fczero.offload.partition``),
+    # and the warnings already given (each once per settings, not once per graph).
+    plans: list = field(default_factory=list, compare=False, repr=False)
+    warned: set[str] = field(default_factory=set, compare=False, repr=False)
 
 
+#: Data-parallel group name -> its settings. Per process, as Inductor's hooks are.
 _BY_GROUP: dict[str, PassSettings] = {}
 
 
@@ -40,6 +54,7 @@ def register(
     activation_offload: str = "off",
     offload_min_bytes: int = 0,
     param_itemsize: int | None = None,
+    check_timeout_s: float | None = None,
 ) -> None:
     """Record the settings for one group (a later ``parallelize`` on the same group wins).
     ``replicate_group``: HSDP's replicate group, whose grad all-reduces are bucketed too."""
@@ -52,12 +67,25 @@ def register(
         activation_offload=activation_offload,
         offload_min_bytes=offload_min_bytes,
         param_itemsize=param_itemsize,
+        check_timeout_s=check_timeout_s,
     )
 
 
 def unregister(group_name: str) -> None:
     """Leave this group's graphs to Inductor alone (``compile_passes=False``)."""
     _BY_GROUP.pop(group_name, None)
+
+
+def settings_of(group_name: str) -> PassSettings | None:
+    """The settings registered for ``group_name`` (None: not one of fczero's)."""
+    return _BY_GROUP.get(group_name)
+
+
+def check_timeouts() -> dict[str, float]:
+    """The groups whose compiled graphs are checked across ranks, with their timeouts."""
+    return {
+        name: s.check_timeout_s for name, s in _BY_GROUP.items() if s.check_timeout_s is not None
+    }
 
 
 def snapshot() -> tuple:

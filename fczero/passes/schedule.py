@@ -42,7 +42,6 @@ from fczero.passes.matching import find_gathers, find_reduces
 
 logger = logging.getLogger("fczero")
 
-_WARNED_BUDGETS: set[int | None] = set()
 _COPY_OUT = {"view", "slice", "clone", "_unsafe_view", "alias"}
 _REDUCE_TAIL = _COPY_OUT | {"div", "_to_copy", "convert_element_type"}
 
@@ -111,8 +110,14 @@ def allocated_peak(graph: fx.Graph, groups: set[str]) -> int:
 
 
 def prefetch_all_gathers_pass(
-    gm: fx.GraphModule, groups: set[str], prefetch: int, memory_budget: int | None
+    gm: fx.GraphModule,
+    groups: set[str],
+    prefetch: int,
+    memory_budget: int | None,
+    warned: set[str] | None = None,
 ) -> fx.GraphModule:
+    """``warned``: the warnings given under these settings already (``PassSettings.warned``):
+    a budget too small to prefetch is said once per settings, not once per graph."""
     graph = gm.graph
     gathers = find_gathers(graph, groups)
     if prefetch <= 0 or len(gathers) < 2:
@@ -140,8 +145,9 @@ def prefetch_all_gathers_pass(
                 break
         else:
             refused += 1
-    if hoisted == 0 and refused and memory_budget not in _WARNED_BUDGETS:
-        _WARNED_BUDGETS.add(memory_budget)  # once per budget, not once per graph
+    if hoisted == 0 and refused and "budget" not in (warned or ()):
+        if warned is not None:
+            warned.add("budget")
         logger.warning(
             "fczero: memory_budget=%s bytes is too small to prefetch any all-gather; "
             "gathering each bucket where it is used",

@@ -24,7 +24,7 @@ wrongly, each silent without them:
   buffers only.
 
 Nothing here runs a collective or is on the path of a training step, except the one
-optimizer hook, which looks at each optimizer once.
+optimizer hook, which looks at an optimizer's params again only when they change.
 """
 
 from __future__ import annotations
@@ -37,14 +37,20 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 logger = logging.getLogger("fczero")
 
-# id(old param) -> (weak reference to it, its qualified name). A plain dict keyed by id:
-# tensors compare elementwise, so they cannot be keys of a WeakKeyDictionary.
-_REPLACED: dict[int, tuple[weakref.ref, str]] = {}
-_CHECKED_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
-_GUARDED_CLASSES: dict[type, type] = {}
+# [Note: what the guards keep per process]
+# The optimizer hook is torch's global one and sees only an optimizer's tensors, and a
+# later parallelize sees only its own model's, so the old params are found by identity
+# here: old param -> its qualified name, held weakly (the user's references alone keep
+# an old param alive; keyed by identity, since tensors compare elementwise). The guarded
+# classes are generated once per user class and shared by every model of that class;
+# they hold no state of a model, and are held weakly too (a class lives while a module
+# of it does).
+_REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_GUARDED_CLASSES: weakref.WeakValueDictionary[type, type] = weakref.WeakValueDictionary()
 
 
 # ---- before sharding ------------------------------------------------------------------
@@ -86,10 +92,7 @@ def check_devices(params: Iterable[tuple[str, torch.device]], mesh_device_type: 
 
 def replaced_name(param: torch.Tensor) -> str | None:
     """The name under which ``parallelize`` replaced ``param``, or None if it did not."""
-    entry = _REPLACED.get(id(param))
-    if entry is not None and entry[0]() is param:
-        return entry[1]
-    return None
+    return _REPLACED.get(param)
 
 
 # ---- after sharding -------------------------------------------------------------------
@@ -98,7 +101,7 @@ def replaced_name(param: torch.Tensor) -> str | None:
 def protect(model: nn.Module, replaced: list[tuple[str, nn.Parameter]]) -> None:
     """Arm the traps of the module docstring for a freshly parallelized ``model``."""
     for name, old in replaced:
-        _remember(old, name)
+        _REPLACED[old] = name
         if old.requires_grad:
             old.register_hook(_stale_param_hook(name))
     model.register_load_state_dict_pre_hook(_refuse_plain_state)
@@ -106,17 +109,6 @@ def protect(model: nn.Module, replaced: list[tuple[str, nn.Parameter]]) -> None:
         owns_params = next(module.parameters(), None) is not None
         if owns_params and not isinstance(module, _Guarded):
             module.__class__ = _guarded_class(type(module))
-
-
-def _remember(old: torch.Tensor, name: str) -> None:
-    key = id(old)
-
-    def forget(_ref: weakref.ref, key: int = key) -> None:
-        entry = _REPLACED.get(key)
-        if entry is not None and entry[0] is _ref:
-            del _REPLACED[key]
-
-    _REPLACED[key] = (weakref.ref(old, forget), name)
 
 
 def _stale_param_hook(name: str) -> Callable[[torch.Tensor], None]:
@@ -132,17 +124,11 @@ def _stale_param_hook(name: str) -> Callable[[torch.Tensor], None]:
     return hook
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-    """Refuse to step an optimizer that holds params ``parallelize`` replaced (checked once;
-    called first by fczero's one optimizer pre-step hook, ``step_hooks._before_step``)."""
-    if optimizer in _CHECKED_OPTIMIZERS:
-        return
-    stale = [
-        name
-        for group in optimizer.param_groups
-        for p in group["params"]
-        if (name := replaced_name(p)) is not None
-    ]
+def check_optimizer(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> None:
+    """Refuse to step an optimizer that holds params ``parallelize`` replaced (called by
+    fczero's one optimizer pre-step hook, ``step_hooks._before_step``, whenever the optimizer's
+    ``params`` differ from those it last looked at)."""
+    stale = [name for p in params if (name := replaced_name(p)) is not None]
     if stale:
         shown = ", ".join(repr(n) for n in stale[:3]) + (" ..." if len(stale) > 3 else "")
         raise RuntimeError(
@@ -150,7 +136,6 @@ def check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: obje
             f"parallelize replaced ({shown}); they never get a gradient, so nothing would "
             "train. Build the optimizer after parallelize, from model.parameters()."
         )
-    _CHECKED_OPTIMIZERS.add(optimizer)
 
 
 def _refuse_plain_state(

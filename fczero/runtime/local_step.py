@@ -37,14 +37,13 @@ optimizer (or ``restore``) puts the params back.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from fczero.core.state import OptimizerState
+from fczero.core.state import OptimizerState, optimizer_state
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -66,9 +65,6 @@ class _Swap:
     groups: list[list[torch.Tensor]]  # each group's own params list
     locals_: dict[int, tuple[torch.Tensor, DTensor]]  # id(local) -> (local, sharded param)
     states: dict[int, dict]  # id(sharded param) -> its state dict as it was
-
-
-_SWAPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _same_layout(t: torch.Tensor, param: DTensor) -> bool:
@@ -125,12 +121,13 @@ def enter(optimizer: torch.optim.Optimizer, sharded: Iterable[torch.Tensor]) -> 
                     k: v._local_tensor if isinstance(v, DTensor) else v for k, v in states.items()
                 }
         group["params"] = local_params
-    _SWAPPED[optimizer] = swap
+    optimizer_state(optimizer).swap = swap
 
 
 def restore(optimizer: torch.optim.Optimizer) -> None:
     """After ``optimizer.step()``: put the sharded params, grads and states back."""
-    swap = _SWAPPED.pop(optimizer, None)
+    record = OptimizerState.of(optimizer)
+    swap, record.swap = record.swap, None
     if swap is None:
         return
     for group, own in zip(optimizer.param_groups, swap.groups):

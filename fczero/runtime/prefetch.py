@@ -18,12 +18,16 @@ Gathers inside a selective activation-checkpointing region are never prefetched 
 issue others: selective checkpointing records the ops a region runs in forward and
 expects the same ops when backward recomputes it, where nothing is prefetched. Such
 gathers are marked in the recorded order and run in place.
+
+One forward's prefetch, reshard scope and collective log travel together in an
+``EagerContext``, which the root's forward hooks open and close (``enter_forward``,
+``exit_forward``: [Note: the eager context of a forward]); a module's getter reaches it
+through its param's root (``ParamState.gather_eagerly``), never through this module.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -36,10 +40,9 @@ from fczero.runtime import eager_buckets, resharding
 
 if TYPE_CHECKING:
     from fczero.core.spec import ShardSpec
+    from fczero.core.state import RootState
 
 logger = logging.getLogger("fczero")
-
-Gather = Callable[["ShardSpec", torch.Tensor], torch.Tensor]
 
 # One recorded gather: the param's spec, the param, and whether it ran inside a
 # selective-checkpoint region (then it is never prefetched; see the module docstring).
@@ -76,39 +79,39 @@ class EagerPrefetch:
         self._seen, self._ready, self._cursor, self._issued, self._ahead = [], {}, 0, 0, 0
         self._replaying = self.order is not None and self.window > 0
 
-    def gather(self, spec: ShardSpec, param: torch.Tensor, gather: Gather) -> torch.Tensor:
+    def gather(self, spec: ShardSpec, param: torch.Tensor, context: EagerContext) -> torch.Tensor:
         n = self._cursor
         self._cursor += 1
         in_place = _in_selective_checkpoint()
         self._seen.append((spec, param, in_place))
         if in_place or not self._replaying:
-            return gather(spec, param)
+            return context.gather_now(spec, param)
         if n >= len(self.order) or self.order[n][1] is not param:
             logger.info(
                 "fczero: gather order changed at gather %d; eager prefetch off this step", n
             )
             self._replaying = False  # what was prefetched belongs to other params: never use it
-            return gather(spec, param)
+            return context.gather_now(spec, param)
         if n in self.bucket_of and n not in self._ready:
-            self._issue(n, gather)  # the first member of a bucket not issued yet
+            self._issue(n, context)  # the first member of a bucket not issued yet
         ready = self._ready.pop(n, None)
         if ready is None:
-            full = gather(spec, param)
+            full = context.gather_now(spec, param)
         else:
             self._ahead -= self.sizes[n]
             if isinstance(ready, _Member):
-                full = hand_over(spec, param, ready.bucket.member(ready.index))
+                full = context.hand_over(spec, param, ready.bucket.member(ready.index))
             else:
                 full = ready
-        self._issue_ahead(n, gather)
+        self._issue_ahead(n, context)
         return full
 
-    def _issue(self, j: int, gather: Gather) -> int:
+    def _issue(self, j: int, context: EagerContext) -> int:
         """Issue the j-th gather, or its whole bucket; returns the next position after it."""
         bucket = self.bucket_of.get(j)
         if bucket is None:
             spec, param, _ = self.order[j]
-            self._ready[j] = gather(spec, param)
+            self._ready[j] = context.gather_now(spec, param)
             self._ahead += self.sizes[j]
             return j + 1
         issued = eager_buckets.gather_bucket([(self.order[i][0], self.order[i][1]) for i in bucket])
@@ -117,7 +120,7 @@ class EagerPrefetch:
             self._ahead += self.sizes[i]
         return bucket[-1] + 1
 
-    def _issue_ahead(self, n: int, gather: Gather) -> None:
+    def _issue_ahead(self, n: int, context: EagerContext) -> None:
         """Issue the gathers after the n-th while they fit in the window (at least one)."""
         sizes = self.sizes
         ahead = self._ahead  # what _ready holds: every position in it is after n
@@ -130,7 +133,7 @@ class EagerPrefetch:
             size = sum(sizes[i] for i in members)
             if not eager_buckets.fits(ahead, size, self.window):
                 break
-            j = self._issue(j, gather)
+            j = self._issue(j, context)
             ahead += size
         self._issued = j
 
@@ -158,27 +161,125 @@ def _in_selective_checkpoint() -> bool:
     )
 
 
-active: EagerPrefetch | None = None
+class EagerContext:
+    """What one eager forward of a parallelized root runs in: the root's ``EagerPrefetch``,
+    the reshard scope of this forward (stage 3 that frees params after forward; else None)
+    and the collective log of a checked forward (``check_policy``; else None).
+
+    The root's forward pre-hook makes one and ``open``s it; its forward hook ``close``s it,
+    also when the forward raised. A root whose forward starts inside an open context's
+    forward (it is called from another root's forward) joins that context instead of
+    making its own (``find_open``), so the outermost root's prefetch and scope serve both.
+    Each param's state reaches the context through its root (``fczero.core.state``)."""
+
+    def __init__(
+        self,
+        owner: object,
+        prefetch: EagerPrefetch,
+        scope: resharding.ReshardScope | None = None,
+        log: consistency.EagerLog | None = None,
+    ) -> None:
+        self.owner = owner  # the root that opened it (a ``RootState``)
+        self.prefetch = prefetch
+        self.scope = scope
+        self.log = log
+
+    def open(self) -> None:
+        self.prefetch.start()
+        if self.scope is not None:
+            self.scope.open(self)
+        if self.log is not None:
+            self.log.start()
+
+    def close(self, raised: bool) -> None:
+        """End of the owner's forward: drop unused prefetches, remove the reshard hooks and
+        (unless the forward raised: that error goes up) compare the gathers across ranks."""
+        try:
+            self.prefetch.finish()
+        finally:
+            if self.scope is not None:
+                self.scope.close()
+        if self.log is not None and not raised:
+            self.log.finish()
+
+    def gather(self, spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
+        """The eager gather of a sharded param with rows: issued now (or earlier, when the
+        prefetch issued it ahead) and waited here, as it is handed to the module."""
+        return collectives.settle(self.prefetch.gather(spec, param, self))
+
+    def gather_now(self, spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
+        return self.hand_over(spec, param, spec._gather(eager_local(param)))
+
+    def hand_over(self, spec: ShardSpec, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """An eager gather on its way to the module: noted for the collective check, and
+        (stage 3) recorded so that saving it packs a recipe (``fczero.runtime.resharding``)."""
+        if self.log is not None:
+            self.log.note(spec.shape, spec.param_dtype)
+        if not spec.keep_unsharded:
+            self.register(full, spec, param)
+        return full
+
+    def register(self, full: torch.Tensor, spec: ShardSpec, param: torch.Tensor) -> None:
+        """Saved views of ``full`` regather in backward (when this forward reshards)."""
+        if self.scope is not None:
+            self.scope.register(full, spec, param)
 
 
-def eager_gather(spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
-    """The eager gather of a sharded param with rows: issued now (or earlier, when the
-    active root prefetched it) and waited here, as it is handed to the module."""
-    if active is not None:
-        full = active.gather(spec, param, _gather_now)
-    else:
-        full = _gather_now(spec, param)
-    return collectives.settle(full)
+def find_open() -> EagerContext | None:
+    """The context of the forward running around this point, found through its reshard
+    scope, the innermost saved-tensor hooks (None: no root that reshards is running, or
+    something installed hooks of its own inside its forward)."""
+    scope = resharding.open_scope()
+    owner = scope.owner if scope is not None else None
+    return owner if isinstance(owner, EagerContext) else None
 
 
-def _gather_now(spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
-    return hand_over(spec, param, spec._gather(eager_local(param)))
+def enter_forward(root: RootState) -> None:
+    """A root's eager forward starts: open its context, or join the one running.
+
+    [Note: the eager context of a forward]
+    The eager runtime a gather goes through belongs to the forward that is running: the
+    root's forward pre-hook calls ``enter_forward`` (here), which opens an ``EagerContext``
+    with the root's prefetch, a fresh reshard scope (stage 3 that
+    frees params after forward) and its collective log (``check_policy``), and pushes it
+    on its ``RootState.forwards``; the forward hook calls ``exit_forward``, which pops and closes it,
+    also when the forward raised. Each param's getter reaches it as
+    ``ParamState.root.context``: no gather looks anywhere else, so two models never meet.
+    
+    A root whose forward starts while another root's forward is running (one calls the
+    other) joins the outer context instead of opening its own, as one forward: the
+    outermost root's prefetch records and replays both, its scope frees both, and a checked
+    inner root logs its gathers there while the outer root logs none. The outer context is
+    found through torch's own per-thread stack of saved-tensor hooks, where its reshard
+    scope is the innermost (``find_open``); an outer root that reshards nothing
+    installs no hooks, and the inner root then opens a context of its own. A root that
+    calls itself joins its own context.
+    """
+    context = find_open()
+    opened = context is None
+    if opened:
+        scope = None
+        if root.options.selective_unsharding:  # stages 1/2 gather nothing
+            scope = resharding.ReshardScope(root.prefetch.window, root.prefetch.bucket_bytes)
+        context = EagerContext(root, root.prefetch, scope, root.eager_log)
+    logs = not opened and context.log is None and root.eager_log is not None
+    if logs:  # checked, inside a forward that is not: log the gathers from here on
+        context.log = root.eager_log
+    root.forwards.append((context, opened, logs))
+    if opened:
+        context.open()
+    elif logs:
+        context.log.start()
 
 
-def hand_over(spec: ShardSpec, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """An eager gather on its way to the module: noted for the collective check, and
-    (stage 3) recorded so that saving it packs a recipe (``fczero.runtime.resharding``)."""
-    consistency.note_gather(spec.shape, spec.param_dtype)
-    if not spec.keep_unsharded:
-        resharding.register_gathered(full, spec, param)
-    return full
+def exit_forward(root: RootState, raised: bool) -> None:
+    """A root's eager forward ended (``raised``: by an exception): close what it opened."""
+    if not root.forwards:
+        return  # (its pre-hook never ran: an earlier hook raised)
+    context, opened, logs = root.forwards.pop()
+    if opened:
+        context.close(raised)
+    elif logs:
+        context.log = None
+        if not raised:
+            root.eager_log.finish()

@@ -32,7 +32,6 @@ the gather is tagged for recomputation instead (see ``sharding.ShardSpec.unshard
 from __future__ import annotations
 
 import bisect
-import contextlib
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -86,11 +85,17 @@ class _DTensorRecipe:
     stride: tuple[int, ...]
 
 
-class _Scope:
+class ReshardScope:
     """Unsharded params gathered during one eager forward, keyed by storage, and the
-    backward regathers of the ones saved for backward (see the module docstring)."""
+    backward regathers of the ones saved for backward (see the module docstring).
+
+    A root's forward makes one (``fczero.runtime.prefetch.EagerContext``), ``open``s it (its pack
+    and unpack become the innermost saved-tensor hooks) and ``close``s it when the forward
+    ends; the recipes packed meanwhile keep it alive until backward has unpacked them."""
 
     def __init__(self, window: int = 0, bucket_bytes: int = 0) -> None:
+        self.owner: Any = None  # what opened it, while it is open (an ``EagerContext``)
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self.window = window  # unsharded bytes of backward regathers issued ahead
         self.bucket_bytes = bucket_bytes  # regather buckets (with a window only)
         self.bucket_of: dict[int, list[int]] = {}  # saved position -> its bucket
@@ -106,6 +111,26 @@ class _Scope:
         # positions in ``saved`` not issued in this backward, ascending (made on first use)
         self._unissued: list[int] | None = None
         self.draining = False  # a callback will wait for leftovers when backward ends
+
+    def open(self, owner: Any) -> None:
+        """Install this scope's saved-tensor hooks (innermost) for the forward ``owner`` runs."""
+        self.owner = owner
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._hooks.__enter__()
+
+    def close(self) -> None:
+        """Remove the hooks ``open`` installed; what was packed still unpacks in backward."""
+        hooks, self._hooks, self.owner = self._hooks, None, None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+
+    def register(self, full: torch.Tensor, spec: ShardSpec, param: torch.Tensor) -> None:
+        """Record an eagerly gathered unsharded param so that saving it packs a recipe."""
+        inner = full.elem if isinstance(full, AsyncCollectiveTensor) else full
+        storage = inner.untyped_storage()
+        self.live[storage._cdata] = _Gathered(
+            StorageWeakRef(storage), spec, param, spec.unsharded_bytes(param)
+        )
 
     def pack(self, t: torch.Tensor) -> Any:
         if isinstance(t, DTensor):
@@ -248,33 +273,15 @@ def _settle(pending: torch.Tensor | _Piece) -> None:
         collectives.settle(pending)
 
 
-_active: _Scope | None = None
+def open_scope() -> ReshardScope | None:
+    """The reshard scope whose hooks are the innermost ``saved_tensors_hooks`` on this
+    thread, if any: how a root whose forward runs inside another root's finds the scope
+    it joins. Torch keeps that stack (per thread); fczero keeps no record of its own."""
+    top = _top_saved_tensors_hooks()
+    owner = getattr(top[0], "__self__", None) if top is not None else None
+    return owner if isinstance(owner, ReshardScope) else None
 
 
-def register_gathered(full: torch.Tensor, spec: ShardSpec, param: torch.Tensor) -> None:
-    """Record an eagerly gathered unsharded param so that saving it packs a recipe."""
-    if _active is None:
-        return
-    inner = full.elem if isinstance(full, AsyncCollectiveTensor) else full
-    storage = inner.untyped_storage()
-    _active.live[storage._cdata] = _Gathered(
-        StorageWeakRef(storage), spec, param, spec.unsharded_bytes(param)
-    )
-
-
-@contextlib.contextmanager
-def reshard_scope(window: int = 0, bucket_bytes: int = 0):
-    """Active around one eager forward of a parallelized root (nested roots join the
-    outer); ``window``: unsharded bytes of backward regathers issued ahead (0: none);
-    ``bucket_bytes``: regather buckets (eager_buckets; only with a window)."""
-    global _active
-    if _active is not None:
-        yield
-        return
-    scope = _Scope(window, bucket_bytes)
-    _active = scope
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(scope.pack, scope.unpack):
-            yield
-    finally:
-        _active = None
+def _top_saved_tensors_hooks() -> tuple | None:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(True) if top is not None else None  # (True: as in eager, tracing or not)

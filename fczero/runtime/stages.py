@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fczero.comm import collectives
 from fczero.comm.buckets import plan_items
 from fczero.comm.flat import copy_in, copy_out
-from fczero.comm.reducer import REDUCERS, Reducer, Route
+from fczero.comm.reducer import Reducer, Route
 from fczero.core.spec import mesh_device
 from fczero.core.state import (
     ParamState,
@@ -80,7 +80,6 @@ def attach(
             start=min(rank * spec.rows_per_rank, spec.shape[0]) if spec.shape else 0,
             reduce_dtype=options.mp.reduce_dtype or grad_dtype,
             shard_dtype=shard_dtype,
-            reducer=-1,  # set below once the Reducer exists
             index=reducer_index,
         )
         if reducer_index >= 0:
@@ -92,27 +91,13 @@ def attach(
         by_param[id(sharded)] = state
         remember(state)
     if reducer_slots:
-        reducer = Reducer(reducer_slots, options.comm.bucket_bytes)
-        root.reducer = reducer  # REDUCERS holds it weakly
-        root.reducer_key = id(reducer)
-        REDUCERS[root.reducer_key] = reducer
-        for state in root.params:
-            if state.route.index >= 0:
-                state.route = _with_reducer(state.route, root.reducer_key)
-        for slot, state in enumerate(s for s in root.params if s.route.index >= 0):
-            reducer.params[slot] = (state.param, state.route, state.spec.shape)
+        root.reducer = Reducer(reducer_slots, options.comm.bucket_bytes)
     for module, names in wiring.items():
         module_state(module, create=True).params = {
             name: by_param[id(module._parameters[name])] for name in names
         }
     module_state(model, create=True).root = root
     return root
-
-
-def _with_reducer(route: Route, key: int) -> Route:
-    fields = dict(route.__dict__)
-    fields["reducer"] = key
-    return Route(**fields)
 
 
 def refresh(states: list[ParamState]) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch.optim.optimizer import (
@@ -30,6 +31,9 @@ from fczero.core.state import OptimizerState, ParamState, RootState, optimizer_s
 from fczero.runtime import accumulation, guards, local_step
 from fczero.runtime.stages import refresh
 
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
 
 @contextlib.contextmanager
 def one_step_in_parts(optimizer: torch.optim.Optimizer) -> Iterator[None]:
@@ -37,7 +41,6 @@ def one_step_in_parts(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     params (the chunked step of optimizer-state offload): fczero's global step hooks run
     once, over all params, before the first part and after the last, and not around each
     part (where they would check, wait or count per part)."""
-    guards.check_optimizer(optimizer, (), {})
     _before_step(optimizer, (), {})
     record = optimizer_state(optimizer)
     record.in_parts = True
@@ -49,7 +52,8 @@ def one_step_in_parts(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 
 
 def _states_of(optimizer: torch.optim.Optimizer) -> list[ParamState]:
-    """The fczero params ``optimizer`` holds, looked up again only when its params change."""
+    """The fczero params ``optimizer`` holds, looked up again (and checked for params that
+    ``parallelize`` replaced) only when its params change."""
     params = tuple(p for group in optimizer.param_groups for p in group["params"])
     record = OptimizerState.of(optimizer)
     # (the record holds its params alive, so identity cannot be reused by another tensor;
@@ -58,6 +62,7 @@ def _states_of(optimizer: torch.optim.Optimizer) -> list[ParamState]:
         states = [ref() for ref in record.states]
         if None not in states:
             return states
+    guards.check_optimizer(optimizer, params)
     states = [s for s in map(state_of, params) if s is not None]
     if states:  # an optimizer of other params gets no fczero attribute
         record = optimizer_state(optimizer)
@@ -70,7 +75,6 @@ def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
     device, since the step writes host shards that device copies may still read."""
     if OptimizerState.of(optimizer).in_parts:
         return
-    guards.check_optimizer(optimizer, args, kwargs)
     states = _states_of(optimizer)
     accumulation.check_before_step(states)
     devices = {s.spec.compute_device for s in states} - {None}
@@ -96,14 +100,14 @@ def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> 
             root.auto_unsharding.after_step()
 
 
-_hooks_installed = False
+#: The handles of fczero's one pair of global optimizer step hooks: torch keeps such hooks
+#: per process, so they are installed once, by the first ``parallelize``, and serve every
+#: model (each hook finds its states through the optimizer it is called for).
+_STEP_HOOKS: list[RemovableHandle] = []
 
 
 def install() -> None:
     """Register the two global step hooks, once per process."""
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    register_optimizer_step_pre_hook(_before_step)
-    register_optimizer_step_post_hook(_after_step)
-    _hooks_installed = True
+    if not _STEP_HOOKS:
+        _STEP_HOOKS.append(register_optimizer_step_pre_hook(_before_step))
+        _STEP_HOOKS.append(register_optimizer_step_post_hook(_after_step))

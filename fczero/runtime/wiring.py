@@ -9,14 +9,15 @@ Nothing in torch is patched.
 
 Reading the property runs ``unsharded_param`` on the param's ``ParamState``
 (``fczero.core.state``). The plain case (stage 3, gradient sync on, nothing
-accumulated) is ``ShardSpec.unshard`` with the eager runtime's gather
-(``prefetch.eager_gather``); a whole copy (stages 1/2) or an accumulating
-micro-batch goes through the reducer's ``whole_param`` instead, whose backward
-reduces or accumulates the whole grad.
+accumulated) is ``ShardSpec.unshard``, which in eager mode gathers through the state
+(``ParamState.gather_eagerly``: the eager context of its root's running forward); a
+whole copy (stages 1/2) or an accumulating micro-batch goes through the reducer's
+``whole_param`` instead, whose backward reduces or accumulates the whole grad.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -27,9 +28,13 @@ from fczero.comm import collectives
 from fczero.comm.reducer import whole_param
 from fczero.core.spec import _local, _recompute_everything
 from fczero.core.state import ATTR, ParamState
-from fczero.runtime import prefetch, resharding
 
-_WIRED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+#: (user class, param names) -> its wired subclass. Per process: a generated class holds
+#: no state of a model, so every model with such a module shares it; held weakly (it
+#: lives while a module of it does).
+_WIRED_CLASSES: weakref.WeakValueDictionary[tuple[type, tuple[str, ...]], type] = (
+    weakref.WeakValueDictionary()
+)
 
 
 def _unsharded_property(name: str) -> property:
@@ -72,7 +77,7 @@ def unsharded_param(state: ParamState, param: torch.Tensor) -> torch.Tensor:
         # (under compile each read would be one more guard, each write a side effect)
         if spec.keep_unsharded and state.reused is not None:
             state.reused = None
-        return spec.unshard(param, prefetch.eager_gather)
+        return spec.unshard(param, state)
     if state.whole is not None:
         if not grad_path:
             return state.whole
@@ -82,11 +87,13 @@ def unsharded_param(state: ParamState, param: torch.Tensor) -> torch.Tensor:
         if pending is not None and spec.keep_unsharded:
             state.reused = None  # the accumulation's last micro-batch: the step follows
     route, reducer = state.route, state.root.reducer
-    eager_stage1 = reducer is not None and route.index >= 0
-    if eager_stage1 and not accumulating and not collectives._tracing():
+    if reducer is None or route.index < 0 or collectives._tracing():
+        reducer = None  # (compiled: the graph all-reduces each grad itself)
+    elif not accumulating:
         reducer.expect(route.index)  # one more grad for its bucket to wait for
     local = spec._on_device(_local(param))  # (param offload: from the host)
-    return whole_param(local, whole, state.acc if accumulating else None, pending, route)
+    acc = state.acc if accumulating else None
+    return whole_param(local, whole, acc, pending, route, reducer)
 
 
 def _gather_without_grad(state: ParamState, param: torch.Tensor) -> torch.Tensor:
@@ -103,7 +110,9 @@ def _gather_without_grad(state: ParamState, param: torch.Tensor) -> torch.Tensor
             spec._gather, local, use_reentrant=False, context_fn=_recompute_everything
         )
     full = spec._gather(local)
-    resharding.register_gathered(full, spec, param)  # saved views regather in backward
+    context = state.root.context
+    if context is not None:
+        context.register(full, spec, param)  # saved views regather in backward
     return full
 
 

@@ -3,7 +3,8 @@
 ``aot_eager_with_passes`` partitions like Inductor (min-cut, honouring the gather's
 recompute tags, then fczero's activation offload when a group asks for it), applies
 ``fczero.passes.run_passes`` to the forward and backward graphs, and runs them without code generation: the passes' numerics on real gloo
-ranks in seconds. ``recorded`` keeps the rewritten graphs for inspection.
+ranks in seconds. ``recording(graphs)`` is the same backend, and also appends every
+rewritten graph to the caller's ``graphs`` list (each test keeps its own).
 
 ``inductor-cudagraphs`` is stock Inductor with CUDA graphs (GPU tests).
 """
@@ -17,20 +18,24 @@ from torch._dynamo.backends.common import aot_autograd
 from fczero.offload.partition import partition
 from fczero.passes import run_passes
 
-recorded: list[fx.GraphModule] = []
+
+def recording(graphs: list[fx.GraphModule] | None = None):
+    """AOT autograd with fczero's passes, run eagerly; each graph it rewrites (forward,
+    then backward) is appended to ``graphs`` when given."""
+
+    def compile_graph(gm: fx.GraphModule, example_inputs) -> object:
+        gm = run_passes(gm)
+        if graphs is not None:
+            graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(
+        fw_compiler=compile_graph, bw_compiler=compile_graph, partition_fn=partition
+    )
 
 
-def _compile(gm: fx.GraphModule, example_inputs) -> object:
-    gm = run_passes(gm)
-    recorded.append(gm)
-    return make_boxed_func(gm.forward)
+aot_eager_with_passes = recording()
 
-
-aot_eager_with_passes = aot_autograd(
-    fw_compiler=_compile,
-    bw_compiler=_compile,
-    partition_fn=partition,
-)
 
 def inductor_cudagraphs(gm: fx.GraphModule, example_inputs) -> object:
     """Stock Inductor with CUDA graphs: what ``torch.compile(mode="reduce-overhead")`` runs

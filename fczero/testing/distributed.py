@@ -20,15 +20,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-_CONTEXT: mp.context.BaseContext | None = None
-
-
-def _context() -> mp.context.BaseContext:
-    global _CONTEXT
-    if _CONTEXT is None:
-        _CONTEXT = mp.get_context("spawn")
-    return _CONTEXT
-
 
 def _child(fn, rank, world_size, args, backend, workdir, timeout_s):  # pragma: no cover - child
     import torch
@@ -90,7 +81,7 @@ def run_on_ranks(
     timeout_s: float = 300.0,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results."""
-    ctx = _context()
+    ctx = mp.get_context("spawn")  # (multiprocessing keeps one per method)
     with tempfile.TemporaryDirectory(prefix="fczero-ranks-") as workdir:
         procs = [
             ctx.Process(

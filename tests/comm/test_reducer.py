@@ -22,7 +22,6 @@ def _route(kind: str, rank: int, group: str, rows: int = 3, dtype=torch.float32)
         start=start,
         reduce_dtype=dtype,
         shard_dtype=torch.float64,
-        reducer=-1,
         index=-1,
     )
 

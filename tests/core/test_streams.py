@@ -58,13 +58,15 @@ def test_to_device_is_differentiable_and_its_grad_lands_on_the_host():
     assert torch.equal(host.grad, weight) and host.grad.device.type == "cpu"
 
 
-def test_a_warning_is_given_once_per_key(monkeypatch):
+def test_a_process_wide_fact_is_warned_once(monkeypatch, caplog):
     monkeypatch.setattr(streams, "_warned", set())
     with pytest.warns(RuntimeWarning) as record:
-        streams.warn_once("k", "fczero: first")
-        streams.warn_once("k", "fczero: second")
-        streams.warn_once("other", "fczero: third")
-    assert [str(w.message) for w in record] == ["fczero: first", "fczero: third"]
+        streams._warn_once("k", "fczero: first")
+        streams._warn_once("k", "fczero: second")
+        streams.warn("fczero: every time")
+        streams.warn("fczero: every time")
+    assert [str(w.message) for w in record] == ["fczero: first"] + ["fczero: every time"] * 2
+    assert caplog.text.count("fczero: every time") == 2  # logged too, on the fczero logger
 
 
 def test_nothing_pending_and_no_device_to_wait_for_on_the_cpu():

@@ -266,14 +266,14 @@ def test_eager_stage3_frees_tensor_parallel_params_after_forward(fake_pg, monkey
     model = _tp_model(mesh["tp"])
     fczero.parallelize(model, mesh, axis="dp")
     refs = []
-    original = resharding.register_gathered
+    original = resharding.ReshardScope.register
 
-    def spy(full, spec, param):
+    def spy(self, full, spec, param):
         inner = full.elem if isinstance(full, AsyncCollectiveTensor) else full
         refs.append((spec.tensor_parallel is not None, StorageWeakRef(inner.untyped_storage())))
-        original(full, spec, param)
+        original(self, full, spec, param)
 
-    monkeypatch.setattr(resharding, "register_gathered", spy)
+    monkeypatch.setattr(resharding.ReshardScope, "register", spy)
     out = model(torch.randn(4, 5, requires_grad=True))  # the autograd graph is alive
     assert sum(tp for tp, _ in refs) == 4  # up and down, weight and bias
     assert all(r.expired() for _, r in refs), "an unsharded param outlived forward"

@@ -19,10 +19,9 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.distributed.device_mesh import init_device_mesh
 
 import fczero
-from fczero.core import streams
-from fczero.core.memory import op_name
+from fczero.comm.graph_ops import op_name
 from fczero.offload.activations import offload_activations, planned_peak
-from fczero.offload.partition import recorded_plans
+from fczero.passes import registry
 from fczero.testing import backends
 from fczero.testing.distributed import run_on_ranks
 from tests.models import ThreeBlocks
@@ -47,18 +46,16 @@ def sequence(gm: torch.fx.GraphModule) -> str:
 class GraphTest(FakeGroupTestCase):
     def setUp(self) -> None:
         super().setUp()
-        backends.recorded.clear()
-        recorded_plans.clear()
 
     def compile(self, **options) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         torch._dynamo.reset()  # a second model must compile afresh (not reuse the first's code)
-        backends.recorded.clear()
+        graphs: list[torch.fx.GraphModule] = []
         torch.manual_seed(0)
         model = fczero.parallelize(ThreeBlocks(64), init_device_mesh("cpu", (2,)), **options)
         self.model = model
-        out = torch.compile(model, backend=backends.aot_eager_with_passes)(torch.randn(8, 64))
+        out = torch.compile(model, backend=backends.recording(graphs))(torch.randn(8, 64))
         out.sum().backward()
-        fw, bw = backends.recorded
+        fw, bw = graphs
         return fw, bw
 
     def check_structure(self, bw: torch.fx.GraphModule) -> None:
@@ -69,7 +66,7 @@ class GraphTest(FakeGroupTestCase):
             (wait,) = [u for u in reload.users if op_name(u) == "reload_wait"]
             readers = [u for u in reload.users if u is not wait]
             assert readers and pos[reload] < pos[wait] < min(pos[u] for u in readers)
-        (plan,) = recorded_plans["0"]
+        (plan,) = registry.settings_of("0").plans
         assert len(plan.offloaded) == 3 and plan.hoisted == 2
         assert plan.peak_after < plan.peak_before
         assert {name for name, _ in plan.offloaded} == {"relu", "relu_1", "relu_2"}
@@ -135,7 +132,6 @@ mm_7 = mm(t_16, primals_3)""",
 
     def test_a_new_model_starts_a_new_report_and_cpu_says_nothing_is_saved(self):
         self.compile()
-        streams._warned.discard("activations-cpu")
         with self.assertWarnsRegex(RuntimeWarning, "no memory is saved"):
             self.compile(offload_policy=OFFLOAD_ALL)
         (plan,) = fczero.memory_report(self.model).plans
@@ -165,7 +161,7 @@ mm_7 = mm(t_16, primals_3)""",
         fw, bw = self.compile()
         names = {op_name(n) for g in (fw, bw) for n in g.graph.nodes}
         assert not names & {"offload", "reload", "reload_wait"}
-        (plan,) = recorded_plans["0"]  # the plan is recorded (for memory_report), empty
+        (plan,) = registry.settings_of("0").plans  # recorded (for memory_report), empty
         assert plan.mode == "off" and not plan.offloaded and plan.peak_after == plan.peak_before
 
 
@@ -176,14 +172,15 @@ def _train(rank: int, world_size: int, offload: str) -> list[torch.Tensor]:
         init_device_mesh("cpu", (world_size,)),
         offload_policy=fczero.OffloadPolicy(activations=offload, activation_min_bytes=0),
     )
-    compiled = torch.compile(model, backend=backends.aot_eager_with_passes)
+    graphs: list[torch.fx.GraphModule] = []
+    compiled = torch.compile(model, backend=backends.recording(graphs))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(3 + rank)
     for _ in range(2):
         compiled(torch.randn(8, 64, generator=gen)).square().mean().backward()
         opt.step()
         opt.zero_grad()
-    names = {op_name(n) for g in backends.recorded for n in g.graph.nodes}
+    names = {op_name(n) for g in graphs for n in g.graph.nodes}
     assert ("reload_wait" in names) == (offload == "all")
     return [p._local_tensor.clone() for p in model.parameters()]
 
@@ -191,7 +188,6 @@ def _train(rank: int, world_size: int, offload: str) -> list[torch.Tensor]:
 def _both(rank: int, world_size: int) -> bool:
     plain = _train(rank, world_size, "off")
     torch._dynamo.reset()
-    backends.recorded.clear()
     offloaded = _train(rank, world_size, "all")
     return all(torch.equal(a, b) for a, b in zip(plain, offloaded))
 

@@ -10,7 +10,6 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import fczero
-from fczero.offload import partition
 from fczero.testing import backends
 from tests.models import ThreeBlocks, TwoLayer
 
@@ -31,7 +30,6 @@ def test_before_any_compiled_step_the_report_says_so(fake_pg):
 
 def test_a_compiled_step_reports_each_offloaded_activation(fake_pg, tmp_path):
     torch._dynamo.reset()
-    partition.recorded_plans.clear()
     model = fczero.parallelize(
         ThreeBlocks(64),
         init_device_mesh("cpu", (2,)),

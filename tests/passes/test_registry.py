@@ -31,3 +31,19 @@ def test_a_graph_finds_the_settings_of_its_group(monkeypatch):
     registry.unregister("5")
     assert registry.settings_for_graph(_graph_on("5")) is None
     assert registry.snapshot() == before
+
+
+def test_a_later_parallelize_on_a_group_starts_its_plans_and_warnings_afresh(monkeypatch):
+    monkeypatch.setattr(registry, "_BY_GROUP", {})
+    registry.register("5", bucket_bytes=64, prefetch=1, memory_budget=None, check_timeout_s=9.0)
+    first = registry.settings_of("5")
+    first.plans.append("a plan")
+    first.warned.add("budget")
+    assert registry.check_timeouts() == {"5": 9.0}
+    before = registry.snapshot()
+    registry.register("5", bucket_bytes=64, prefetch=1, memory_budget=None)
+    again = registry.settings_of("5")
+    assert again.plans == [] and again.warned == set()
+    assert registry.check_timeouts() == {}  # unchecked now
+    assert registry.snapshot() != before  # the timeout is a setting: part of the cache key
+    assert registry.settings_of("6") is None

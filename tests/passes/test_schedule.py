@@ -87,7 +87,7 @@ def _sequences(rank: int, world_size: int) -> list[list[list[str]]]:
     out = []
     for budget in BUDGETS:
         torch._dynamo.reset()
-        backends.recorded.clear()
+        graphs: list[torch.fx.GraphModule] = []
         torch.manual_seed(0)
         model = fczero.parallelize(
             UnevenTiedMLP(),
@@ -95,9 +95,9 @@ def _sequences(rank: int, world_size: int) -> list[list[list[str]]]:
             comm_policy=fczero.CommPolicy(bucket_bytes=0),
             memory_budget=budget,
         )
-        compiled = torch.compile(model, backend=backends.aot_eager_with_passes)
+        compiled = torch.compile(model, backend=backends.recording(graphs))
         compiled(torch.randn(4, 5)).sum().backward()
-        out.append([_order(g) for g in backends.recorded])
+        out.append([_order(g) for g in graphs])
     return out
 
 
@@ -122,17 +122,17 @@ def test_every_rank_issues_the_same_collectives():
 
 def _gloo_schedule(rank: int, world_size: int) -> list[list[str]]:
     torch._dynamo.reset()
-    backends.recorded.clear()
+    graphs: list[torch.fx.GraphModule] = []
     model = fczero.parallelize(
         ThreeBlocks(), init_device_mesh("cpu", (world_size,)), comm_policy=fczero.CommPolicy(bucket_bytes=PER_BLOCK)
     )
-    compiled = torch.compile(model, backend=backends.aot_eager_with_passes)
+    compiled = torch.compile(model, backend=backends.recording(graphs))
     compiled(torch.randn(4, 512)).sum().backward()
     keep = ("all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor", "addmm", "mm")
     return [
         [str(n.target).split(".")[1] for n in g.graph.nodes if n.op == "call_function"
          and str(n.target).split(".")[1] in keep]
-        for g in backends.recorded
+        for g in graphs
     ]  # fmt: skip
 
 

@@ -44,14 +44,14 @@ def test_unsharded_params_are_freed_after_forward(fake_pg, monkeypatch):
     model = TwoLayer()
     fczero.parallelize(model, init_device_mesh("cpu", (2,)))
     refs = []
-    original = resharding.register_gathered
+    original = resharding.ReshardScope.register
 
-    def spy(full, spec, param):
+    def spy(self, full, spec, param):
         inner = full.elem if isinstance(full, AsyncCollectiveTensor) else full
         refs.append(StorageWeakRef(inner.untyped_storage()))
-        original(full, spec, param)
+        original(self, full, spec, param)
 
-    monkeypatch.setattr(resharding, "register_gathered", spy)
+    monkeypatch.setattr(resharding.ReshardScope, "register", spy)
     out = model(torch.randn(3, 8, requires_grad=True))  # the autograd graph is alive
     assert len(refs) == 3
     assert all(r.expired() for r in refs), "an unsharded param outlived forward"

@@ -262,10 +262,10 @@ def test_stage1_graphs_gather_nothing_and_all_reduce(fake_pg):
 def test_stage1_compiled_all_reduces_are_bucketed(fake_pg):
     torch.manual_seed(0)
     model = fczero.parallelize(TwoLayer(), init_device_mesh("cpu", (2,)), stage=1)
-    backends.recorded.clear()
-    compiled = torch.compile(model, backend=backends.aot_eager_with_passes, fullgraph=True)
+    graphs: list[torch.fx.GraphModule] = []
+    compiled = torch.compile(model, backend=backends.recording(graphs), fullgraph=True)
     compiled(torch.randn(3, 8)).sum().backward()
-    fw, bw = (collective_sequence(g) for g in backends.recorded)
+    fw, bw = (collective_sequence(g) for g in graphs)
     assert fw == []
     # fc1.weight (128) + fc1.bias (16) + fc2.weight (64): one bucket (under 1 MiB)
     assert bw == ["all_reduce[208]", "wait_tensor[208]"]
