@@ -146,10 +146,22 @@ def all_reduce_sum(t: torch.Tensor, group_name: str) -> torch.Tensor:
     return _c10d.wait_tensor(_c10d.all_reduce(t.contiguous(), "sum", group_name))
 
 
+def _ranks_averaged(group_size: int, replicate: tuple[int, str] | None) -> int:
+    """How many ranks a grad is averaged over: the group's, times the replicas' under HSDP."""
+    return group_size * (replicate[0] if replicate else 1)
+
+
 def _average(
     grad: torch.Tensor, group_size: int, replicate: tuple[int, str] | None
 ) -> torch.Tensor:
-    return grad / (group_size * (replicate[0] if replicate else 1))
+    return grad / _ranks_averaged(group_size, replicate)
+
+
+def average_(grad: torch.Tensor, group_size: int, replicate: tuple[int, str] | None) -> torch.Tensor:
+    """``_average`` in place, on a buffer the caller owns; a division by one is skipped (it
+    would change no value)."""
+    ranks = _ranks_averaged(group_size, replicate)
+    return grad.div_(ranks) if ranks != 1 else grad
 
 
 def _over_replicas(t: torch.Tensor, replicate: tuple[int, str] | None) -> torch.Tensor:

@@ -12,7 +12,7 @@ whole copies (``fczero.runtime.stages``) gather this way.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,10 +26,10 @@ class FlatLayout:
     whole_rows: int  # the unsharded param's dim 0
     row_shape: tuple[int, ...]  # dims after the first
     shard_dtype: torch.dtype
+    numel: int = field(init=False)  # one rank's padded rows, flattened (read on every step)
 
-    @property
-    def numel(self) -> int:  # one rank's padded rows, flattened
-        return self.rows_per_rank * math.prod(self.row_shape)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "numel", self.rows_per_rank * math.prod(self.row_shape))
 
 
 @torch.no_grad()

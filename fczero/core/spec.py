@@ -81,6 +81,8 @@ class ShardSpec:
     param_dtype: torch.dtype | None = field(init=False, repr=False, compare=False)
     reduce_dtype: torch.dtype | None = field(init=False, repr=False, compare=False)
     reshard_after_forward: bool = field(init=False, repr=False, compare=False)
+    # shard dtype -> this param's place in a flat gather (made once, read on every eager step)
+    _flat_layouts: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", self.options.mp.param_dtype)
@@ -93,9 +95,13 @@ class ShardSpec:
 
     def flat_layout(self, shard_dtype: torch.dtype) -> FlatLayout:
         """Where this param's shard lies when gathered with others as one flat buffer."""
-        return FlatLayout(
-            self.rows_per_rank, self.local_rows, self.shape[0], tuple(self.shape[1:]), shard_dtype
-        )
+        layout = self._flat_layouts.get(shard_dtype)
+        if layout is None:
+            layout = FlatLayout(
+                self.rows_per_rank, self.local_rows, self.shape[0], tuple(self.shape[1:]), shard_dtype
+            )
+            self._flat_layouts[shard_dtype] = layout
+        return layout
 
     def unsharded_bytes(self, param: torch.Tensor) -> int:
         """Bytes of the unsharded param this spec gathers (in ``param_dtype`` if set)."""

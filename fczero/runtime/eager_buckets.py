@@ -103,9 +103,7 @@ class _BucketGather(torch.autograd.Function):
         # each grad cut into ``world`` chunks of its rows per rank (zero-padded), cast,
         # and laid out rank-major: the reduce-scatter input, in one op
         torch._chunk_cat([g.contiguous() for g in grads], dim=0, num_chunks=world, out=flat)
-        divisor = world * (replicate[0] if replicate else 1)
-        if divisor != 1:
-            flat.div_(divisor)  # averaged over ranks (dividing by one would change nothing)
+        collectives.average_(flat, world, replicate)
         reduced = collectives.reduce_scatter_sum(flat.view(-1), world, spec0.group_name)
         reduced = collectives._over_replicas(reduced, replicate)
         out, offset = [], 0
@@ -144,12 +142,11 @@ class Bucket:
         """The k-th member's unsharded param (waits for the bucket the first time)."""
         if self._members is None:
             gathered = self.settle()
-            world = self.spec0.group_size
             if self._shards is not None:
                 outs = _BucketGather.apply(self.spec0, self.layouts, gathered, *self._shards)
             else:
                 with torch.no_grad():
-                    outs = copy_out(gathered, world, self.layouts)
+                    outs = copy_out(gathered, self.spec0.group_size, self.layouts)
             self._members, self._gathered, self._shards = list(outs), None, None
         full, self._members[k] = self._members[k], None
         if full is None:
