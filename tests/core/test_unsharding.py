@@ -16,9 +16,8 @@ from fczero.testing import parity
 from fczero.testing.comm import CollectiveLog
 from fczero.testing.distributed import run_on_ranks
 from fczero.testing.graphs import collective_sequence, saved_unsharded
+from tests.accumulation import accumulation_setup, train_accumulating
 from tests.models import ThreeBlocks, block_batches
-from tests.runtime.test_accumulation import _setup as accumulation_setup
-from tests.runtime.test_accumulation import train_accumulating
 
 BLOCK = (512 * 512 + 512) * 4  # one ThreeBlocks block (weight + bias), fp32
 HEAD = 512 * 8 * 4

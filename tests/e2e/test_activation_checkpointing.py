@@ -30,6 +30,7 @@ from fczero.testing import parity
 from fczero.testing.comm import CollectiveLog
 from fczero.testing.distributed import run_on_ranks
 from fczero.testing.graphs import collective_sequence, saved_unsharded
+from tests.checkpoint_policies import save_attention_context
 from tests.models import tiny_llama, token_batches
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
@@ -168,26 +169,6 @@ def _train(rank: int, world_size: int, mode: str, backend: str | None, reshard: 
 # Graphs now take plain leaves ([Note: what a compiled graph differentiates]) and it
 # compiles (test_compiled_full_checkpoint_around_sdpa). A selective policy that saves the
 # attention op's outputs is still the usual policy for transformer blocks.
-SDPA_OPS = tuple(
-    getattr(torch.ops.aten, name).default
-    for name in (
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-    )
-    if hasattr(torch.ops.aten, name)
-)
-
-
-def _save_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SDPA_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def save_attention_context():
-    return create_selective_checkpoint_contexts(_save_attention)
-
-
 class CheckpointedBlock(nn.Module):
     """A Llama block under a selective checkpoint that keeps attention outputs."""
 

@@ -13,7 +13,7 @@ import torch
 
 from fczero.testing import parity
 from fczero.testing.distributed import gpu_world_size, run_on_ranks
-from tests.e2e.test_numerics import BF16, BF16_MP, BF16_OPTS, Case, run_cases
+from tests.cases import BF16, BF16_MP, BF16_OPTS, Case, run_cases
 
 pytestmark = [
     pytest.mark.gpu,

@@ -15,8 +15,8 @@ import torch.nn as nn
 
 from fczero.testing import parity
 from fczero.testing.distributed import gpu_world_size, run_on_ranks
-from tests.e2e.test_activation_checkpointing import save_attention_context
-from tests.e2e.test_numerics import BF16_MP
+from tests.cases import BF16_MP
+from tests.checkpoint_policies import save_attention_context
 from tests.models import token_batches
 
 transformers = pytest.importorskip(

@@ -8,71 +8,12 @@ bits of mantissa, so 5 steps drift by up to about 1e-2.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
 import pytest
-import torch
 
-import fczero
 from fczero.testing import parity
 from fczero.testing.distributed import run_on_ranks
-from tests.models import (
-    GraphBreakMLP,
-    ThreeBlocks,
-    UnevenTiedMLP,
-    block_batches,
-    mlp_batches,
-    tiny_llama,
-    token_batches,
-)
-
-FP32 = {"rtol": 1e-5, "atol": 1e-6}
-#: bf16 compute, fp32 reduction: the mixed precision every bf16 case runs
-BF16_MP = fczero.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-BF16_OPTS = (("mp_policy", BF16_MP),)
-BF16 = {"rtol": 2e-2, "atol": 2e-2}
-
-
-
-def _short(value: object) -> str:
-    """A test id's spelling of an option: a policy shows only the fields it sets."""
-    if not dataclasses.is_dataclass(value):
-        return str(value)
-    changed = [
-        f"{f.name}={getattr(value, f.name)}"
-        for f in dataclasses.fields(value)
-        if getattr(value, f.name) != f.default
-    ]
-    return f"{type(value).__name__}({','.join(changed)})"
-
-@dataclass(frozen=True)
-class Case:
-    model: str  # "mlp", "llama", "blocks" or "breaks" (graph breaks in forward)
-    optimizer: str = "sgd"
-    backend: str | None = None  # None: eager; else a torch.compile backend
-    options: tuple[tuple[str, object], ...] = ()
-
-    @property
-    def id(self) -> str:
-        opts = ",".join(f"{k}={_short(v)}" for k, v in self.options)
-        return f"{self.model}-{self.optimizer}-{self.backend or 'eager'}" + (
-            f"-{opts}" if opts else ""
-        )
-
-    def setup(self):
-        if self.model == "mlp":
-            return UnevenTiedMLP, mlp_batches(), parity.mse
-        if self.model == "breaks":
-            return GraphBreakMLP, mlp_batches(), parity.mse
-        if self.model == "blocks":
-            return ThreeBlocks, block_batches(), parity.mse
-        return tiny_llama, token_batches(), parity.cross_entropy
-
-    @property
-    def lr(self) -> float:
-        return 1e-3 if self.optimizer == "adamw" else 0.05
-
+from tests.cases import BF16, BF16_MP, BF16_OPTS, FP32, Case, run_cases
+from tests.models import tiny_llama, token_batches
 
 CASES = {
     2: [
@@ -106,31 +47,6 @@ CASES = {
         Case("blocks", backend="aot_eager_with_passes"),
     ],
 }
-
-
-def run_cases(
-    rank: int, world_size: int, cases: list[Case], device_type: str = "cpu"
-) -> list[parity.Trace]:
-    """Train every case in this rank's process (tests on GPUs call it too)."""
-    traces = []
-    for case in cases:
-        build, batches, criterion = case.setup()
-        torch._dynamo.reset()
-        traces.append(
-            parity.train_parallel(
-                rank,
-                world_size,
-                build,
-                batches,
-                criterion,
-                optimizer=case.optimizer,
-                lr=case.lr,
-                compile_backend=case.backend,
-                device_type=device_type,
-                **dict(case.options),
-            )
-        )
-    return traces
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Small models the tests share (importable by spawned ranks)."""
+"""Small models the tests share, their batches, and ``train_steps`` (a few optimizer steps
+on random inputs for the 5-input models); all importable by spawned ranks."""
 
 from __future__ import annotations
 
@@ -73,6 +74,17 @@ def mlp_batches(steps: int = 5, batch: int = 8) -> list[tuple[torch.Tensor, torc
     w = torch.randn(5, 13, generator=g)
     xs = [torch.randn(batch, 5, generator=g) for _ in range(steps)]
     return [(x, torch.sin(x @ w)) for x in xs]
+
+
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int, between=None) -> None:
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(6, 5, generator=gen)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if between is not None:
+            between()
 
 
 def token_batches(steps: int = 5, batch: int = 8, seq: int = 16, vocab: int = 64):

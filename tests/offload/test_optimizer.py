@@ -19,20 +19,9 @@ import fczero
 from fczero.core import streams
 from fczero.offload import optimizer as offload_optimizer
 from fczero.testing.distributed import run_on_ranks
-from tests.models import UnevenTiedMLP
+from tests.models import UnevenTiedMLP, train_steps
 
 _step_device = offload_optimizer._step_device
-
-
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, between=None) -> None:
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        x = torch.randn(6, 5, generator=gen)
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        if between is not None:
-            between()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -60,8 +49,8 @@ def test_training_is_bitwise_equal_and_states_live_in_host_buffers(make_opt):
         tensors = [v for st in off_opt.state.values() for v in st.values() if v.dim() > 0]
         assert tensors and all(v.data_ptr() in hosts for v in tensors)
 
-    _train(ref, ref_opt, 4)
-    _train(off, off_opt, 4, between=states_are_in_host_buffers)
+    train_steps(ref, ref_opt, 4)
+    train_steps(off, off_opt, 4, between=states_are_in_host_buffers)
     for a, b in zip(ref.parameters(), off.parameters()):
         assert torch.equal(a, b)
     for p_ref, p_off in zip(ref.parameters(), off.parameters()):
@@ -99,8 +88,8 @@ def test_chunked_step_is_bitwise_equal(make_opt):
         states = [v for st in off_opt.state.values() for v in st.values() if v.dim() > 0]
         assert states and all(v.data_ptr() in hosts for v in states)
 
-    _train(ref, ref_opt, 3)
-    _train(off, off_opt, 3, between=between)
+    train_steps(ref, ref_opt, 3)
+    train_steps(off, off_opt, 3, between=between)
     assert handle.summary.chunks >= 3
     for a, b in zip(ref.parameters(), off.parameters()):
         assert torch.equal(a, b)
@@ -120,7 +109,7 @@ def test_device_bytes_keeps_the_first_states():
     # exp_avg and exp_avg_sq take 260 bytes each
     first_weight = 13 * 5 * 4
     handle = fczero.offload_optimizer_states(opt, device_bytes=2 * first_weight)
-    _train(model, opt, 1)
+    train_steps(model, opt, 1)
     assert handle.summary.kept == ["group0.param1.exp_avg", "group0.param1.exp_avg_sq"]
     assert handle.summary.kept_bytes == 2 * first_weight
     assert "group0.param2.exp_avg" in handle.summary.offloaded
@@ -152,8 +141,8 @@ def test_auto_device_bytes_keeps_what_the_budget_leaves_above_the_peak(
         chunk_bytes=chunk_bytes,
     )
     with caplog.at_level(logging.INFO, logger="fczero"):
-        _train(off_model, opt, 3)
-    _train(ref_model, ref_opt, 3)
+        train_steps(off_model, opt, 3)
+    train_steps(ref_model, ref_opt, 3)
     assert len(peaks) == 1  # read once, before the first step
     assert handle.summary.kept == ["group0.param1.exp_avg", "group0.param1.exp_avg_sq"]
     assert "= 0.0 MiB of states kept" in handle.summary.sizing  # 523 bytes
@@ -169,17 +158,17 @@ def test_auto_device_bytes_without_a_budget_or_peak_offloads_everything(caplog):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     handle = fczero.offload_optimizer_states(opt, device_bytes="auto")
     with caplog.at_level(logging.INFO, logger="fczero"):
-        _train(model, opt, 1)
+        train_steps(model, opt, 1)
     assert handle.summary.kept == [] and handle.summary.offloaded
     assert handle.summary.sizing == "auto: no memory_budget on cpu, every state offloaded"
     opt2 = torch.optim.AdamW(UnevenTiedMLP().parameters(), lr=1e-2)
     handle2 = fczero.offload_optimizer_states(opt2, device_bytes="auto", memory_budget=10**9)
-    _train(model, opt2, 0)
+    train_steps(model, opt2, 0)
     assert handle2.summary.sizing == ""  # decided at the first step, not before
     model2 = UnevenTiedMLP()
     opt3 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
     handle3 = fczero.offload_optimizer_states(opt3, device_bytes="auto", memory_budget=10**9)
-    _train(model2, opt3, 1)
+    train_steps(model2, opt3, 1)
     assert handle3.summary.sizing == "auto: no allocator peak on cpu, every state offloaded"
     assert handle3.summary.kept == []
 
@@ -199,7 +188,7 @@ def test_a_budget_below_the_peak_without_states_names_the_minimum(monkeypatch, c
         opt, device_bytes="auto", memory_budget=10**6 - 1, chunk_bytes=chunk_bytes
     )
     with pytest.raises(ValueError) as err:
-        _train(model, opt, 1)
+        train_steps(model, opt, 1)
     assert str(err.value).startswith(
         "fczero: memory_budget=999999 bytes (1.0 MiB) is below what forward and backward "
         "took before the first step with no optimizer state on the device: 1000000 bytes "
@@ -226,8 +215,8 @@ def test_auto_device_bytes_below_the_default_budget_offloads_everything(monkeypa
     opt = torch.optim.AdamW(off_model.parameters(), lr=1e-2)
     handle = fczero.offload_optimizer_states(opt, device_bytes="auto", chunk_bytes=256)
     with caplog.at_level(logging.INFO, logger="fczero"):
-        _train(off_model, opt, 2)
-    _train(ref_model, ref_opt, 2)
+        train_steps(off_model, opt, 2)
+    train_steps(ref_model, ref_opt, 2)
     assert handle.summary.kept == [] and handle.summary.offloaded
     assert "= 0.0 MiB of states kept (the default budget, 90% of the device" in caplog.text
     assert [r.levelname for r in caplog.records if "default budget" in r.message] == ["WARNING"]
@@ -247,7 +236,7 @@ def test_auto_device_bytes_takes_the_parallelized_models_budget(fake_pg, monkeyp
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     handle = fczero.offload_optimizer_states(opt, device_bytes="auto")
-    _train(model, opt, 1)
+    train_steps(model, opt, 1)
     assert handle.summary.sizing == (
         "auto: memory_budget 5.0 MiB - peak before the first step 3.0 MiB = 2.0 MiB of "
         "states kept"
@@ -260,7 +249,7 @@ def test_state_dict_round_trip_and_remove():
     model = UnevenTiedMLP()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     handle = fczero.offload_optimizer_states(opt)
-    _train(model, opt, 2)
+    train_steps(model, opt, 2)
     saved = copy.deepcopy(opt.state_dict())
     handle.remove()
     fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -278,12 +267,12 @@ def test_loading_a_state_dict_plans_again():
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     off_opt = torch.optim.AdamW(off.parameters(), lr=1e-2)
     handle = fczero.offload_optimizer_states(off_opt)
-    _train(ref, ref_opt, 2)
-    _train(off, off_opt, 2)
+    train_steps(ref, ref_opt, 2)
+    train_steps(off, off_opt, 2)
     off_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
     assert handle.slots is None
-    _train(ref, ref_opt, 2)
-    _train(off, off_opt, 2)
+    train_steps(ref, ref_opt, 2)
+    train_steps(off, off_opt, 2)
     hosts = {s.host.data_ptr() for s in handle.slots}
     for p_ref, p_off in zip(ref.parameters(), off.parameters()):
         assert torch.equal(p_ref, p_off)
@@ -319,7 +308,7 @@ def test_without_cuda_says_once_that_nothing_moves(caplog, monkeypatch):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     fczero.offload_optimizer_states(opt)
     with caplog.at_level(logging.WARNING, logger="fczero"), pytest.warns(RuntimeWarning):
-        _train(model, opt, 3)
+        train_steps(model, opt, 3)
     notes = [r for r in caplog.records if "saves no memory" in r.getMessage()]
     assert len(notes) == 1
 
@@ -351,8 +340,8 @@ def test_device_step_through_stand_ins_is_bitwise_equal(monkeypatch, make_opt, c
     assert handle.device_step
     params = list(off.parameters())
     storages = [p.data_ptr() for p in params]
-    _train(ref, ref_opt, 3)
-    _train(off, off_opt, 3)
+    train_steps(ref, ref_opt, 3)
+    train_steps(off, off_opt, 3)
     assert handle.summary.chunks == (1 if chunk_bytes is None else 5)
     assert [p.data_ptr() for p in params] == storages
     # keyed by the params, not their stand-ins
@@ -368,8 +357,8 @@ def test_device_step_through_stand_ins_is_bitwise_equal(monkeypatch, make_opt, c
     assert states and all(v.data_ptr() in hosts for v in states)
     handle.remove()  # back to the host step, states where the params are
     assert "step" not in off_opt.__dict__
-    _train(ref, ref_opt, 1)
-    _train(off, off_opt, 1)
+    train_steps(ref, ref_opt, 1)
+    train_steps(off, off_opt, 1)
     for p_ref, p_off in zip(ref.parameters(), params):
         assert torch.equal(p_ref, p_off)
 
@@ -446,7 +435,7 @@ def _sharded_run(rank: int, world_size: int) -> bool:
             if offload:
                 chunk = None if offload is True else 200
                 handle = fczero.offload_optimizer_states(opt, chunk_bytes=chunk)
-            _train(model, opt, 3)
+            train_steps(model, opt, 3)
         finally:
             offload_optimizer._step_device = _step_device
         params = list(model.parameters())

@@ -10,91 +10,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch._dynamo.testing import AotEagerAndRecordGraphs, CompileCounterWithBackend
+from torch._dynamo.testing import AotEagerAndRecordGraphs
 from torch.distributed.device_mesh import init_device_mesh
 
 import fczero
 from fczero.testing import parity
-from fczero.testing.backends import BACKENDS
 from fczero.testing.distributed import gpu_world_size, run_on_ranks
 from fczero.testing.graphs import collective_sequence
-from tests.models import TwoLayer, UnevenTiedMLP, mlp_batches, tiny_llama, token_batches
+from tests.accumulation import accumulation_setup, train_accumulating
+from tests.models import TwoLayer
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 REDUCES = ("reduce_scatter_tensor", "all_reduce")
-
-
-def _setup(model: str):
-    if model == "mlp":
-        return UnevenTiedMLP, mlp_batches(steps=3), parity.mse
-    return tiny_llama, token_batches(steps=3), parity.cross_entropy
-
-
-def train_accumulating(
-    rank: int,
-    world_size: int,
-    model_name: str,
-    stage: int,
-    backend: str | None,
-    k: int,
-    api: str,
-    device_type: str = "cpu",
-    **options,
-) -> tuple[parity.Trace, list[int]]:
-    """One rank: every batch as K micro-batches, reduce on the last. ``api`` picks how sync
-    is turned off: "context" (fczero.no_sync around forward and backward), "flag"
-    (set_requires_gradient_sync) or "late" (only the forwards inside no_sync; their
-    backwards run after the block). Returns the trace and the compiled-frame count
-    after each step (constant after the first step: no recompiles). ``options`` go to
-    ``fczero.parallelize``."""
-    build, batches, criterion = _setup(model_name)
-    torch.manual_seed(0)
-    model = build()
-    fczero.parallelize(
-        model, init_device_mesh(device_type, (world_size,)), stage=stage, **options
-    )
-    device = next(model.parameters()).device
-    counter = None
-    step_fn = model
-    if backend is not None:
-        counter = CompileCounterWithBackend(BACKENDS.get(backend, backend))
-        step_fn = torch.compile(model, backend=counter)
-    opt = parity.make_optimizer("sgd", model.parameters(), 0.05)
-    losses, frames = [], []
-    for batch in batches:
-        inputs, target = parity._slice(batch, rank, world_size, device)
-        micro = list(zip(inputs.chunk(k), target.chunk(k)))
-        total = torch.zeros((), device=device)
-        if api == "late":
-            with fczero.no_sync(model):
-                pending = [criterion(step_fn(x), y) / k for x, y in micro[:-1]]
-            for loss in pending:
-                loss.backward()
-                total += loss.detach()
-        else:
-            for i, (x, y) in enumerate(micro[:-1]):
-                if api == "flag":
-                    fczero.set_requires_gradient_sync(model, False)
-                    loss = criterion(step_fn(x), y) / k
-                    loss.backward()
-                else:
-                    with fczero.no_sync(model):
-                        loss = criterion(step_fn(x), y) / k
-                        loss.backward()
-                total += loss.detach()
-            fczero.set_requires_gradient_sync(model, True)
-        x, y = micro[-1]
-        loss = criterion(step_fn(x), y) / k
-        loss.backward()
-        total += loss.detach()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        dist.all_reduce(total)
-        losses.append((total / world_size).item())
-        frames.append(counter.frame_count if counter is not None else 0)
-    params = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
-    return parity.Trace(losses, params), frames
 
 
 CASES = [
@@ -126,7 +53,7 @@ def traces() -> dict:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c))
 def test_accumulation_matches_one_large_batch(traces, case):
     trace, frames = traces[case]
-    build, batches, criterion = _setup(case[0])
+    build, batches, criterion = accumulation_setup(case[0])
     expected = parity.train_reference(build, batches, criterion)
     parity.assert_close(trace, expected, **FP32)
     if case[2] is not None:
@@ -150,7 +77,7 @@ def test_nccl_accumulation_matches_one_large_batch():
     tolerances as in test_gpu."""
     per_rank = run_on_ranks(_run_cases, gpu_world_size(), GPU_CASES, "cuda", backend="nccl")
     for case, (trace, frames) in zip(GPU_CASES, per_rank[0]):
-        build, batches, criterion = _setup(case[0])
+        build, batches, criterion = accumulation_setup(case[0])
         expected = parity.train_reference(build, batches, criterion, device="cuda")
         parity.assert_close(trace, expected, rtol=1e-4, atol=1e-5)
         assert frames[-1] == frames[0], (case, frames)

@@ -18,8 +18,7 @@ from torch.distributed.tensor import DTensor
 import fczero
 from fczero.runtime import local_step
 from fczero.testing.distributed import run_on_ranks
-from tests.models import UnevenTiedMLP
-from tests.offload.test_optimizer import _train as train_steps
+from tests.models import UnevenTiedMLP, train_steps
 
 OPTIMIZERS = {
     "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),

@@ -20,7 +20,7 @@ from fczero.runtime import stages
 from fczero.testing import backends, parity
 from fczero.testing.distributed import gpu_world_size, run_on_ranks
 from fczero.testing.graphs import collective_sequence
-from tests.e2e.test_numerics import BF16, BF16_MP, BF16_OPTS, FP32, Case, run_cases
+from tests.cases import BF16, BF16_MP, BF16_OPTS, FP32, Case, run_cases
 from tests.models import TwoLayer, UnevenTiedMLP, mlp_batches, tiny_llama, token_batches
 
 CASES = [

@@ -1,0 +1,96 @@
+"""The parity cases the numerics tests share: ``Case`` (a model, an optimizer, a compile
+backend and ``parallelize`` options), ``run_cases`` (trains a list of cases in one rank's
+process; spawned ranks import it), the bf16 mixed-precision options, and the fp32 and bf16
+tolerances the cases are held to (why these: tests/e2e/test_numerics.py's docstring).
+test_numerics runs its cases on gloo ranks, tests/runtime/test_stages.py adds ZeRO stages 1
+and 2, and tests/e2e/test_gpu.py runs them under NCCL."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+import fczero
+from fczero.testing import parity
+from tests.models import (
+    GraphBreakMLP,
+    ThreeBlocks,
+    UnevenTiedMLP,
+    block_batches,
+    mlp_batches,
+    tiny_llama,
+    token_batches,
+)
+
+FP32 = {"rtol": 1e-5, "atol": 1e-6}
+#: bf16 compute, fp32 reduction: the mixed precision every bf16 case runs
+BF16_MP = fczero.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+BF16_OPTS = (("mp_policy", BF16_MP),)
+BF16 = {"rtol": 2e-2, "atol": 2e-2}
+
+
+
+def _short(value: object) -> str:
+    """A test id's spelling of an option: a policy shows only the fields it sets."""
+    if not dataclasses.is_dataclass(value):
+        return str(value)
+    changed = [
+        f"{f.name}={getattr(value, f.name)}"
+        for f in dataclasses.fields(value)
+        if getattr(value, f.name) != f.default
+    ]
+    return f"{type(value).__name__}({','.join(changed)})"
+
+@dataclass(frozen=True)
+class Case:
+    model: str  # "mlp", "llama", "blocks" or "breaks" (graph breaks in forward)
+    optimizer: str = "sgd"
+    backend: str | None = None  # None: eager; else a torch.compile backend
+    options: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def id(self) -> str:
+        opts = ",".join(f"{k}={_short(v)}" for k, v in self.options)
+        return f"{self.model}-{self.optimizer}-{self.backend or 'eager'}" + (
+            f"-{opts}" if opts else ""
+        )
+
+    def setup(self):
+        if self.model == "mlp":
+            return UnevenTiedMLP, mlp_batches(), parity.mse
+        if self.model == "breaks":
+            return GraphBreakMLP, mlp_batches(), parity.mse
+        if self.model == "blocks":
+            return ThreeBlocks, block_batches(), parity.mse
+        return tiny_llama, token_batches(), parity.cross_entropy
+
+    @property
+    def lr(self) -> float:
+        return 1e-3 if self.optimizer == "adamw" else 0.05
+
+
+def run_cases(
+    rank: int, world_size: int, cases: list[Case], device_type: str = "cpu"
+) -> list[parity.Trace]:
+    """Train every case in this rank's process (tests on GPUs call it too)."""
+    traces = []
+    for case in cases:
+        build, batches, criterion = case.setup()
+        torch._dynamo.reset()
+        traces.append(
+            parity.train_parallel(
+                rank,
+                world_size,
+                build,
+                batches,
+                criterion,
+                optimizer=case.optimizer,
+                lr=case.lr,
+                compile_backend=case.backend,
+                device_type=device_type,
+                **dict(case.options),
+            )
+        )
+    return traces
