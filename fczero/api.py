@@ -333,6 +333,7 @@ def _install_passes(
         offload_min_bytes=options.offload.activation_min_bytes,
         param_itemsize=options.mp.param_dtype.itemsize if options.mp.param_dtype else None,
         check_timeout_s=options.check.timeout_s if options.check is not None else None,
+        rank=mesh.get_local_rank(),
     )
     install()
     offload_partition.install(required=options.offload.activations != "off")

@@ -16,7 +16,12 @@ import torch
 import torch.fx as fx
 
 #: The collectives fczero issues, by short op name: the position of the group-name argument.
-GROUP_ARG = {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 3, "all_reduce": 2}
+GROUP_ARG = {
+    "all_gather_into_tensor": 2,
+    "all_gather_into_tensor_out": 2,  # written in place (``fczero.passes.in_place``)
+    "reduce_scatter_tensor": 3,
+    "all_reduce": 2,
+}
 
 
 def op_name(node: fx.Node) -> str:

@@ -40,6 +40,9 @@ _ALIASING = {
     "reshape",
     "view_as",
     "split_with_sizes",
+    "copy_",  # returns its (mutated) first argument
+    # returns ``out``, whose slot its first argument is (``fczero.passes.in_place``)
+    "all_gather_into_tensor_out",
 }
 
 

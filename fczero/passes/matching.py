@@ -7,6 +7,10 @@ A *gather* is the chain fczero's ``collectives.gather_shard`` traces to, and a
     ag = all_gather_into_tensor(x, world, group)     # gather
     w  = wait_tensor(ag)
 
+and, once ``fczero.passes.in_place`` has run (last), a gather writes in place:
+
+    ag = all_gather_into_tensor_out(copy_(slice(out, ...), x), world, group, out=out)
+
     rs = reduce_scatter_tensor(grad, "sum", world, group)   # reduce
     w  = wait_tensor(rs)
 
@@ -45,7 +49,7 @@ _SHARD_PREP = {
 class Collective:
     """One matched all-gather or reduce-scatter and its wait."""
 
-    node: fx.Node  # all_gather_into_tensor or reduce_scatter_tensor
+    node: fx.Node  # all_gather_into_tensor(_out) or reduce_scatter_tensor
     wait: fx.Node
     group_size: int
     group_name: str
@@ -53,7 +57,13 @@ class Collective:
 
     @property
     def input(self) -> fx.Node:
-        return self.node.args[0]
+        """What is gathered or reduced (for an in-place gather: what fills its slot)."""
+        x = self.node.args[0]
+        return x.args[1] if self.in_place else x
+
+    @property
+    def in_place(self) -> bool:
+        return op_name(self.node) == "all_gather_into_tensor_out"
 
     @property
     def dtype(self):
@@ -99,15 +109,22 @@ def _prep_chain(x: fx.Node) -> list[fx.Node] | None:
     return sorted(seen, key=order.__getitem__)
 
 
+_GATHERS = ("all_gather_into_tensor", "all_gather_into_tensor_out")
+
+
 def find_gathers(graph: fx.Graph, groups: set[str]) -> list[Collective]:
     found = []
     for node in graph.nodes:
-        if node.op != "call_function" or op_name(node) != "all_gather_into_tensor":
+        if node.op != "call_function" or op_name(node) not in _GATHERS:
             continue
         _, size, name = node.args[:3]
-        wait, prep = _only_wait(node), _prep_chain(node.args[0])
-        if name in groups and wait is not None and prep is not None:
-            found.append(Collective(node, wait, size, name, prep))
+        gather = Collective(node, _only_wait(node), size, name, [])
+        if gather.in_place and op_name(node.args[0]) != "copy_":
+            continue
+        prep = _prep_chain(gather.input)
+        if name in groups and gather.wait is not None and prep is not None:
+            gather.prep = prep
+            found.append(gather)
     return found
 
 

@@ -32,6 +32,9 @@ class PassSettings:
     param_itemsize: int | None = None
     # check_policy: seconds to wait for the other ranks' graphs (None: graphs unchecked)
     check_timeout_s: float | None = None
+    # this process's rank in the group: where its shard lands in an in-place all-gather
+    # (so the graphs, and Inductor's cache key, differ between ranks only there)
+    rank: int = 0
     # What compiling under these settings produced: not settings, so left out of the
     # comparison and of the repr (which keys Inductor's cache). The activation plan of
     # each forward/backward pair partitioned, oldest first (``fczero.offload.partition``),
@@ -55,6 +58,7 @@ def register(
     offload_min_bytes: int = 0,
     param_itemsize: int | None = None,
     check_timeout_s: float | None = None,
+    rank: int = 0,
 ) -> None:
     """Record the settings for one group (a later ``parallelize`` on the same group wins).
     ``replicate_group``: HSDP's replicate group, whose grad all-reduces are bucketed too."""
@@ -68,6 +72,7 @@ def register(
         offload_min_bytes=offload_min_bytes,
         param_itemsize=param_itemsize,
         check_timeout_s=check_timeout_s,
+        rank=rank,
     )
 
 

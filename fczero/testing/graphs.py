@@ -66,8 +66,14 @@ def saved_unsharded(fw_gm: torch.fx.GraphModule, num_user_outputs: int = 1) -> l
     """
     output = next(n for n in fw_gm.graph.nodes if n.op == "output")
     saved = [a for a in output.args[0][num_user_outputs:] if isinstance(a, torch.fx.Node)]
-    return [
-        node.name
-        for node in saved
-        if node.op == "call_function" and op_name(storage_root(node)) == "all_gather_into_tensor"
-    ]
+    return [node.name for node in saved if node.op == "call_function" and _gathered(storage_root(node))]
+
+
+def _gathered(root: torch.fx.Node) -> bool:
+    """An all-gather's output: its own, or the buffer an in-place all-gather fills."""
+    if op_name(root) == "all_gather_into_tensor":
+        return True
+    return any(
+        op_name(user) == "all_gather_into_tensor_out" and user.kwargs.get("out") is root
+        for user in root.users
+    )

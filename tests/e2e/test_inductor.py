@@ -46,9 +46,10 @@ def test_inductor_code_gathers_in_forward_and_again_in_backward(fake_pg):
     _, codes = run_and_get_code(step)
     # the input cast compiles as its own small graph; then the forward, then the backward
     forward, backward = codes[-2:]
-    # the three params are one bucket (the model is far below 1 MiB)
-    assert _calls(forward, "all_gather_into_tensor") == 1
-    assert _calls(backward, "all_gather_into_tensor") == 1  # fc2.weight, gathered again
+    # the three params are one bucket (the model is far below 1 MiB), gathered in place
+    assert _calls(forward, "all_gather_into_tensor_out") == 1
+    assert _calls(backward, "all_gather_into_tensor_out") == 1  # fc2.weight, gathered again
+    assert _calls(forward + backward, "all_gather_into_tensor") == 0
     assert _calls(backward, "reduce_scatter_tensor") == 1
     assert all(isinstance(p.grad, torch.Tensor) for p in model.parameters())
 
@@ -68,7 +69,7 @@ def test_inductor_keeps_the_prefetch_order(fake_pg):
         _, codes = run_and_get_code(lambda: compiled(torch.randn(4, 512)).sum().backward())
     assert len(user_pass_calls) == 2  # the user's pass still ran, on forward and backward
     forward = _call_lines(codes[-2])
-    gathers = [i for i, line in enumerate(forward) if "all_gather_into_tensor.default(" in line]
+    gathers = [i for i, line in enumerate(forward) if "all_gather_into_tensor_out.default(" in line]
     matmuls = [
         i for i, line in enumerate(forward) if re.search(r"extern_kernels\.(addmm|mm)\(", line)
     ]

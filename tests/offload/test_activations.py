@@ -27,7 +27,8 @@ from fczero.testing.distributed import run_on_ranks
 from tests.models import ThreeBlocks
 from tests.snapshots import SNAPSHOT_TORCH, FakeGroupTestCase
 
-MEMORY_OPS = {"offload", "offload_wait", "reload", "reload_wait", "all_gather_into_tensor", "mm"}
+MEMORY_OPS = {"offload", "offload_wait", "reload", "reload_wait", "all_gather_into_tensor",
+              "all_gather_into_tensor_out", "mm"}  # fmt: skip
 
 #: every activation of any size to host memory
 OFFLOAD_ALL = fczero.OffloadPolicy(activations="all", activation_min_bytes=0)
@@ -79,10 +80,10 @@ class GraphTest(FakeGroupTestCase):
         self.assertExpectedInline(
             sequence(fw),
             """\
-all_gather_into_tensor_default = all_gather_into_tensor(cat_default)
-all_gather_into_tensor_default_1 = all_gather_into_tensor(cat_default_1)
+all_gather_into_tensor_out_default = all_gather_into_tensor_out(copy__default)
+all_gather_into_tensor_out_default_1 = all_gather_into_tensor_out(copy__default_1)
 offload_default = offload(relu)
-all_gather_into_tensor_6 = all_gather_into_tensor(primals_8)
+all_gather_into_tensor_out_default_2 = all_gather_into_tensor_out(copy__default_2)
 offload_default_1 = offload(relu_1)
 offload_wait_default = offload_wait(offload_default, relu)
 offload_default_2 = offload(relu_2)
@@ -98,10 +99,10 @@ reload_default_2 = reload(relu_2)
 reload_default_1 = reload(relu_1)
 reload_wait_default_2 = reload_wait(reload_default_2)
 mm_1 = mm(t_4, reload_default_2)
-all_gather_into_tensor_6 = all_gather_into_tensor(primals_8)
-all_gather_into_tensor_4 = all_gather_into_tensor(primals_6)
+all_gather_into_tensor_out_default = all_gather_into_tensor_out(copy__default)
+all_gather_into_tensor_out_default_1 = all_gather_into_tensor_out(copy__default_1)
 mm_2 = mm(tangents_1, t_6)
-all_gather_into_tensor_2 = all_gather_into_tensor(primals_4)
+all_gather_into_tensor_out_default_2 = all_gather_into_tensor_out(copy__default_2)
 mm_3 = mm(threshold_backward, t_8)
 reload_default = reload(relu)
 reload_wait_default_1 = reload_wait(reload_default_1)

@@ -16,14 +16,15 @@ class BucketingTest(ThreeBlocksGraphs):
         self.assertEqual(len([c for c in collective_sequence(fw) if c.startswith("all_gather")]), 7)
         run_passes(fw, settings())
         run_passes(bw, settings())
-        # forward: blocks.0, blocks.1, blocks.2, and the 16 KiB head alone (the last block)
+        # forward: blocks.0, blocks.1, blocks.2, and the 16 KiB head alone (the last block);
+        # every gather writes in place (fczero/passes/in_place.py runs last)
         self.assertEqual(
             [c for c in collective_sequence(fw) if c.startswith("all_gather")],
             [
-                "all_gather_into_tensor[262656]",
-                "all_gather_into_tensor[262656]",
-                "all_gather_into_tensor[262656]",
-                "all_gather_into_tensor[8, 512]",
+                "all_gather_into_tensor_out[262656]",
+                "all_gather_into_tensor_out[262656]",
+                "all_gather_into_tensor_out[262656]",
+                "all_gather_into_tensor_out[8, 512]",
             ],
         )
         # backward: one reduce-scatter per bucket, in the order the gradients become ready
@@ -46,9 +47,9 @@ class BucketingTest(ThreeBlocksGraphs):
         self.assertEqual(
             [c for c in collective_sequence(fw) if c.startswith("all_gather")],
             [
-                "all_gather_into_tensor[262656]",  # blocks.0
-                "all_gather_into_tensor[525312]",  # blocks.1 + blocks.2
-                "all_gather_into_tensor[8, 512]",  # head
+                "all_gather_into_tensor_out[262656]",  # blocks.0
+                "all_gather_into_tensor_out[525312]",  # blocks.1 + blocks.2
+                "all_gather_into_tensor_out[8, 512]",  # head
             ],
         )
         self.assertEqual(

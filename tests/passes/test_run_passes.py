@@ -37,8 +37,11 @@ def forward(self, primals_1: "f32[256, 512]", primals_2: "f32[256]", primals_3: 
 view_default: "f32[131072]" = aten.view(primals_1, [-1])
 view_default_1: "f32[256]" = aten.view(primals_2, [-1])
 cat_default: "f32[131328]" = aten.cat([view_default, view_default_1], 0);  view_default = view_default_1 = None
-all_gather_into_tensor_default: "f32[262656]" = _c10d_functional.all_gather_into_tensor(cat_default, 2, '0')
-wait_tensor_default: "f32[262656]" = _c10d_functional.wait_tensor(all_gather_into_tensor_default)
+empty_memory_format: "f32[262656]" = aten.empty.memory_format([262656], dtype = torch.float32, device = device(type='cpu'))
+slice_tensor_6: "f32[131328]" = aten.slice.Tensor(empty_memory_format, 0, 0, 131328)
+copy__default: "f32[131328]" = aten.copy_(slice_tensor_6, cat_default);  slice_tensor_6 = cat_default = None
+all_gather_into_tensor_out_default: "f32[262656]" = _c10d_functional.all_gather_into_tensor_out(copy__default, 2, '0', out = empty_memory_format);  copy__default = empty_memory_format = None
+wait_tensor_default: "f32[262656]" = _c10d_functional.wait_tensor(all_gather_into_tensor_out_default)
 view_default_2: "f32[2, 131328]" = aten.view(wait_tensor_default, [2, 131328])
 slice_tensor: "f32[2, 131072]" = aten.slice.Tensor(view_default_2, 1, 0, 131072)
 clone_default: "f32[2, 131072]" = aten.clone(slice_tensor, memory_format = torch.contiguous_format)
@@ -49,11 +52,14 @@ view_default_4: "f32[512]" = aten.view(clone_default_1, [512])
 view_default_5: "f32[131072]" = aten.view(primals_4, [-1])
 view_default_6: "f32[256]" = aten.view(primals_5, [-1])
 cat_default_1: "f32[131328]" = aten.cat([view_default_5, view_default_6], 0);  view_default_5 = view_default_6 = None
-all_gather_into_tensor_default_1: "f32[262656]" = _c10d_functional.all_gather_into_tensor(cat_default_1, 2, '0')
+empty_memory_format_1: "f32[262656]" = aten.empty.memory_format([262656], dtype = torch.float32, device = device(type='cpu'))
+slice_tensor_7: "f32[131328]" = aten.slice.Tensor(empty_memory_format_1, 0, 0, 131328)
+copy__default_1: "f32[131328]" = aten.copy_(slice_tensor_7, cat_default_1);  slice_tensor_7 = cat_default_1 = None
+all_gather_into_tensor_out_default_1: "f32[262656]" = _c10d_functional.all_gather_into_tensor_out(copy__default_1, 2, '0', out = empty_memory_format_1);  copy__default_1 = empty_memory_format_1 = None
 t: "f32[512, 512]" = aten.t(view_default_3)
 addmm: "f32[4, 512]" = aten.addmm(view_default_4, primals_3, t);  view_default_4 = t = None
 relu: "f32[4, 512]" = aten.relu(addmm)
-wait_tensor_default_1: "f32[262656]" = _c10d_functional.wait_tensor(all_gather_into_tensor_default_1)
+wait_tensor_default_1: "f32[262656]" = _c10d_functional.wait_tensor(all_gather_into_tensor_out_default_1)
 view_default_7: "f32[2, 131328]" = aten.view(wait_tensor_default_1, [2, 131328])
 slice_tensor_2: "f32[2, 131072]" = aten.slice.Tensor(view_default_7, 1, 0, 131072)
 clone_default_2: "f32[2, 131072]" = aten.clone(slice_tensor_2, memory_format = torch.contiguous_format)
@@ -64,11 +70,14 @@ view_default_9: "f32[512]" = aten.view(clone_default_3, [512])
 view_default_10: "f32[131072]" = aten.view(primals_6, [-1])
 view_default_11: "f32[256]" = aten.view(primals_7, [-1])
 cat_default_2: "f32[131328]" = aten.cat([view_default_10, view_default_11], 0);  view_default_10 = view_default_11 = None
-all_gather_into_tensor_default_2: "f32[262656]" = _c10d_functional.all_gather_into_tensor(cat_default_2, 2, '0')
+empty_memory_format_2: "f32[262656]" = aten.empty.memory_format([262656], dtype = torch.float32, device = device(type='cpu'))
+slice_tensor_8: "f32[131328]" = aten.slice.Tensor(empty_memory_format_2, 0, 0, 131328)
+copy__default_2: "f32[131328]" = aten.copy_(slice_tensor_8, cat_default_2);  slice_tensor_8 = cat_default_2 = None
+all_gather_into_tensor_out_default_2: "f32[262656]" = _c10d_functional.all_gather_into_tensor_out(copy__default_2, 2, '0', out = empty_memory_format_2);  copy__default_2 = empty_memory_format_2 = None
 t_1: "f32[512, 512]" = aten.t(view_default_8)
 addmm_1: "f32[4, 512]" = aten.addmm(view_default_9, relu, t_1);  view_default_9 = t_1 = None
 relu_1: "f32[4, 512]" = aten.relu(addmm_1)
-wait_tensor_default_2: "f32[262656]" = _c10d_functional.wait_tensor(all_gather_into_tensor_default_2)
+wait_tensor_default_2: "f32[262656]" = _c10d_functional.wait_tensor(all_gather_into_tensor_out_default_2)
 view_default_12: "f32[2, 131328]" = aten.view(wait_tensor_default_2, [2, 131328])
 slice_tensor_4: "f32[2, 131072]" = aten.slice.Tensor(view_default_12, 1, 0, 131072)
 clone_default_4: "f32[2, 131072]" = aten.clone(slice_tensor_4, memory_format = torch.contiguous_format)
@@ -76,11 +85,14 @@ slice_tensor_5: "f32[2, 256]" = aten.slice.Tensor(view_default_12, 1, 131072, 13
 clone_default_5: "f32[2, 256]" = aten.clone(slice_tensor_5, memory_format = torch.contiguous_format)
 view_default_13: "f32[512, 512]" = aten.view(clone_default_4, [512, 512])
 view_default_14: "f32[512]" = aten.view(clone_default_5, [512])
-all_gather_into_tensor_6: "f32[8, 512]" = _c10d_functional.all_gather_into_tensor(primals_8, 2, '0')
+empty_memory_format_3: "f32[8, 512]" = aten.empty.memory_format([8, 512], dtype = torch.float32, device = device(type='cpu'))
+slice_tensor_9: "f32[4, 512]" = aten.slice.Tensor(empty_memory_format_3, 0, 0, 4)
+copy__default_3: "f32[4, 512]" = aten.copy_(slice_tensor_9, primals_8)
+all_gather_into_tensor_out_default_3: "f32[8, 512]" = _c10d_functional.all_gather_into_tensor_out(copy__default_3, 2, '0', out = empty_memory_format_3);  copy__default_3 = empty_memory_format_3 = None
 t_2: "f32[512, 512]" = aten.t(view_default_13)
 addmm_2: "f32[4, 512]" = aten.addmm(view_default_14, relu_1, t_2);  view_default_14 = t_2 = None
 relu_2: "f32[4, 512]" = aten.relu(addmm_2)
-wait_tensor_6: "f32[8, 512]" = _c10d_functional.wait_tensor(all_gather_into_tensor_6)
+wait_tensor_6: "f32[8, 512]" = _c10d_functional.wait_tensor(all_gather_into_tensor_out_default_3)
 t_3: "f32[512, 8]" = aten.t(wait_tensor_6)
 mm: "f32[4, 8]" = aten.mm(relu_2, t_3)
 return (mm, primals_1, primals_2, primals_3, primals_4, primals_5, primals_6, primals_7, primals_8, relu, relu_1, relu_2)""",
@@ -92,9 +104,15 @@ def forward(self, primals_1: "f32[256, 512]", primals_2: "f32[256]", primals_3: 
 t_4: "f32[8, 4]" = aten.t(tangents_1)
 mm_1: "f32[8, 512]" = aten.mm(t_4, relu_2)
 t_5: "f32[512, 8]" = aten.t(mm_1)
-all_gather_into_tensor_6: "f32[8, 512]" = _c10d_functional.all_gather_into_tensor(primals_8, 2, '0')
-wait_tensor_6: "f32[8, 512]" = _c10d_functional.wait_tensor(all_gather_into_tensor_6)
-all_gather_into_tensor_4: "f32[512, 512]" = _c10d_functional.all_gather_into_tensor(primals_6, 2, '0')
+empty_memory_format: "f32[8, 512]" = aten.empty.memory_format([8, 512], dtype = torch.float32, device = device(type='cpu'))
+slice_tensor_6: "f32[4, 512]" = aten.slice.Tensor(empty_memory_format, 0, 0, 4)
+copy__default: "f32[4, 512]" = aten.copy_(slice_tensor_6, primals_8);  slice_tensor_6 = primals_8 = None
+all_gather_into_tensor_out_default: "f32[8, 512]" = _c10d_functional.all_gather_into_tensor_out(copy__default, 2, '0', out = empty_memory_format);  copy__default = empty_memory_format = None
+wait_tensor_6: "f32[8, 512]" = _c10d_functional.wait_tensor(all_gather_into_tensor_out_default)
+empty_memory_format_1: "f32[512, 512]" = aten.empty.memory_format([512, 512], dtype = torch.float32, device = device(type='cpu'))
+slice_tensor_7: "f32[256, 512]" = aten.slice.Tensor(empty_memory_format_1, 0, 0, 256)
+copy__default_1: "f32[256, 512]" = aten.copy_(slice_tensor_7, primals_6);  slice_tensor_7 = primals_6 = None
+all_gather_into_tensor_out_default_1: "f32[512, 512]" = _c10d_functional.all_gather_into_tensor_out(copy__default_1, 2, '0', out = empty_memory_format_1);  copy__default_1 = empty_memory_format_1 = None
 t_3: "f32[512, 8]" = aten.t(wait_tensor_6)
 t_6: "f32[8, 512]" = aten.t(t_3)
 mm_2: "f32[4, 512]" = aten.mm(tangents_1, t_6);  tangents_1 = t_6 = None
@@ -104,8 +122,11 @@ reduce_scatter_tensor: "f32[4, 512]" = _c10d_functional.reduce_scatter_tensor(di
 detach_14: "f32[4, 512]" = aten.detach(relu_2)
 detach_17: "f32[4, 512]" = aten.detach(detach_14)
 threshold_backward: "f32[4, 512]" = aten.threshold_backward(mm_2, detach_17, 0);  mm_2 = detach_17 = None
-wait_tensor_4: "f32[512, 512]" = _c10d_functional.wait_tensor(all_gather_into_tensor_4)
-all_gather_into_tensor_2: "f32[512, 512]" = _c10d_functional.all_gather_into_tensor(primals_4, 2, '0')
+wait_tensor_4: "f32[512, 512]" = _c10d_functional.wait_tensor(all_gather_into_tensor_out_default_1)
+empty_memory_format_2: "f32[512, 512]" = aten.empty.memory_format([512, 512], dtype = torch.float32, device = device(type='cpu'))
+slice_tensor_8: "f32[256, 512]" = aten.slice.Tensor(empty_memory_format_2, 0, 0, 256)
+copy__default_2: "f32[256, 512]" = aten.copy_(slice_tensor_8, primals_4);  slice_tensor_8 = primals_4 = None
+all_gather_into_tensor_out_default_2: "f32[512, 512]" = _c10d_functional.all_gather_into_tensor_out(copy__default_2, 2, '0', out = empty_memory_format_2);  copy__default_2 = empty_memory_format_2 = None
 t_2: "f32[512, 512]" = aten.t(wait_tensor_4)
 t_8: "f32[512, 512]" = aten.t(t_2)
 mm_3: "f32[4, 512]" = aten.mm(threshold_backward, t_8)
@@ -126,7 +147,7 @@ reduce_scatter_tensor_default: "f32[131328]" = _c10d_functional.reduce_scatter_t
 detach_9: "f32[4, 512]" = aten.detach(relu_1)
 detach_18: "f32[4, 512]" = aten.detach(detach_9)
 threshold_backward_1: "f32[4, 512]" = aten.threshold_backward(mm_3, detach_18, 0);  mm_3 = detach_18 = None
-wait_tensor_2: "f32[512, 512]" = _c10d_functional.wait_tensor(all_gather_into_tensor_2)
+wait_tensor_2: "f32[512, 512]" = _c10d_functional.wait_tensor(all_gather_into_tensor_out_default_2)
 t_1: "f32[512, 512]" = aten.t(wait_tensor_2)
 t_12: "f32[512, 512]" = aten.t(t_1)
 mm_5: "f32[4, 512]" = aten.mm(threshold_backward_1, t_12)

@@ -128,7 +128,7 @@ def _gloo_schedule(rank: int, world_size: int) -> list[list[str]]:
     )
     compiled = torch.compile(model, backend=backends.recording(graphs))
     compiled(torch.randn(4, 512)).sum().backward()
-    keep = ("all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor", "addmm", "mm")
+    keep = ("all_gather_into_tensor_out", "reduce_scatter_tensor", "wait_tensor", "addmm", "mm")
     return [
         [str(n.target).split(".")[1] for n in g.graph.nodes if n.op == "call_function"
          and str(n.target).split(".")[1] in keep]
@@ -141,9 +141,9 @@ def test_gloo_waits_each_collective_where_it_is_issued():
     gather before block 0's matmul, and every collective is waited right after it."""
     forward, backward = run_on_ranks(_gloo_schedule, 2)[0]
     for ops in (forward, backward):
-        issued = [i for i, op in enumerate(ops) if op in ("all_gather_into_tensor", "reduce_scatter_tensor")]
+        issued = [i for i, op in enumerate(ops) if op in ("all_gather_into_tensor_out", "reduce_scatter_tensor")]
         assert issued and all(ops[i + 1] == "wait_tensor" for i in issued), ops
-    gathers = [i for i, op in enumerate(forward) if op == "all_gather_into_tensor"]
+    gathers = [i for i, op in enumerate(forward) if op == "all_gather_into_tensor_out"]
     assert gathers[1] < forward.index("addmm"), forward
 
 
