@@ -1,0 +1,61 @@
+"""In-place all-gathers (fczero/passes/in_place.py): each gather's input is copied into this
+rank's slot of the output, nothing moves, and only the slot depends on the rank."""
+
+from __future__ import annotations
+
+import unittest
+from unittest import mock
+
+import torch
+
+from fczero.comm.graph_ops import op_name
+from fczero.passes import run_passes
+from fczero.passes.matching import find_gathers
+from tests.passes import ThreeBlocksGraphs, settings
+
+
+def _ops(gm: torch.fx.GraphModule) -> list[str]:
+    return [op_name(n) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+class InPlaceTest(ThreeBlocksGraphs):
+    def test_each_gather_fills_its_own_slot_at_every_rank(self):
+        for rank in (0, 1):
+            fw, _ = self.graphs()
+            run_passes(fw, settings(rank=rank))
+            gathers = find_gathers(fw.graph, {"0"})
+            self.assertEqual(len(gathers), 4)
+            for g in gathers:
+                self.assertTrue(g.in_place)
+                filled = g.node.args[0]
+                slot, source = filled.args
+                out = g.node.kwargs["out"]
+                self.assertEqual(op_name(filled), "copy_")
+                self.assertEqual((op_name(slot), slot.args[0], slot.args[1]), ("slice", out, 0))
+                rows = source.meta["val"].shape[0]
+                self.assertEqual(slot.args[2:], (rank * rows, (rank + 1) * rows))
+                self.assertEqual(out.meta["val"].shape[0], 2 * rows)
+                self.assertIs(g.wait.args[0], g.node)  # the wait takes the in-place collective
+
+    def test_the_rewrite_moves_nothing(self):
+        # the same collectives and compute, in the same order, with the pass and without it
+        def order(gm):
+            kept = [o for o in _ops(gm) if o not in ("empty", "copy_", "slice")]
+            return [o.replace("all_gather_into_tensor_out", "all_gather_into_tensor") for o in kept]
+
+        with_pass, _ = self.graphs()
+        run_passes(with_pass, settings())
+        without, _ = self.graphs()
+        with mock.patch("fczero.passes.gathers_in_place_pass", lambda gm, groups, rank: gm):
+            run_passes(without, settings())
+        self.assertIn("all_gather_into_tensor", _ops(without))
+        self.assertNotIn("all_gather_into_tensor", _ops(with_pass))
+        self.assertEqual(order(with_pass), order(without))
+
+    def test_the_rank_is_part_of_the_cache_key(self):
+        # Inductor keys its cache on the pass settings: two ranks' graphs differ in the slot
+        self.assertNotEqual(repr(settings(rank=0)), repr(settings(rank=1)))
+
+
+if __name__ == "__main__":
+    unittest.main()
