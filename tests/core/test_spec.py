@@ -56,3 +56,29 @@ def test_eager_local_gives_the_grad_to_local_gives(fake_pg):
     assert got.shape == expected.shape and got.stride() == expected.stride()
     assert torch.equal(got.to_local(), expected.to_local())
     assert got._spec == param._spec
+
+
+def test_a_compiled_gather_reads_its_constants_as_one_literal_tuple(fake_pg):
+    """[Note: what a compiled gather reads]: the gather's constants are one plain tuple of
+    Python literals, so Dynamo guards them with one equality check; the compiled getter
+    reads no other field of the spec but ``keep_unsharded``."""
+    import re
+
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.variables.constant import ConstantVariable
+
+    from tests.models import TwoLayer
+
+    model = fczero.parallelize(TwoLayer(), init_device_mesh("cpu", (2,)))
+    spec = model.fc1._fczero.params["weight"].spec
+    assert type(spec.traced) is tuple and ConstantVariable.is_literal(spec.traced)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled(torch.randn(3, 8)).sum().backward()
+    (entry,) = _debug_get_cache_entry_list(type(model).forward.__code__)
+    parts = getattr(entry.guard_manager, "code_parts", None)
+    if parts is None:
+        pytest.skip("this torch does not list its guards' code")
+    read = {m for part in parts for m in re.findall(r"\]\.spec\.(\w+)", part)}
+    assert "traced" in read
+    assert read <= {"traced", "keep_unsharded", "__dict__"}, read
