@@ -16,7 +16,8 @@ bucket works per bucket, never per member, wherever it can:
                -> one all_gather_into_tensor, left in flight
     hand-off:  the first member asked for waits for the collective and copies every
                member out of the gathered buffer into storage of its own (one
-               split_with_sizes_copy), under one autograd node for the bucket
+               split_with_sizes_copy), under one autograd node for the bucket whose
+               inputs are the members' sharded params (no node per member)
     backward:  the members' grads laid out rank-major in the reduce dtype (one
                _chunk_cat, which casts and pads) -> divided in place -> one
                reduce_scatter_tensor (HSDP: then one all-reduce) -> each shard's rows
@@ -47,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from fczero.comm import collectives
 from fczero.comm.buckets import plan_items
 from fczero.comm.flat import FlatLayout, copy_in, copy_out
-from fczero.core.spec import eager_local
+from fczero.core.spec import sharded_grad
 
 if TYPE_CHECKING:
     from fczero.core.spec import ShardSpec
@@ -85,11 +86,15 @@ def plan(entries: list[tuple[ShardSpec, torch.Tensor, bool]], bucket_bytes: int)
 
 class _BucketGather(torch.autograd.Function):
     """The autograd node of one bucket: the copy-out in forward (the all-gather ran
-    before, outside autograd), the bucket's one reduce-scatter in backward."""
+    before, outside autograd), the bucket's one reduce-scatter in backward. Its inputs
+    are the members' sharded params themselves, and its backward hands each one its
+    grad as a DTensor laid out like it (``sharded_grad``): one node for the bucket, not
+    one more per member to take each shard out of its DTensor."""
 
     @staticmethod
-    def forward(ctx, spec0: ShardSpec, layouts: tuple[FlatLayout, ...], gathered, *shards):  # type: ignore[override]
+    def forward(ctx, spec0: ShardSpec, layouts: tuple[FlatLayout, ...], gathered, *params):  # type: ignore[override]
         ctx.meta = (spec0, layouts)
+        ctx.specs = tuple(p._spec if isinstance(p, DTensor) else None for p in params)
         return tuple(copy_out(gathered, spec0.group_size, layouts))
 
     @staticmethod
@@ -107,11 +112,12 @@ class _BucketGather(torch.autograd.Function):
         reduced = collectives.reduce_scatter_sum(flat.view(-1), world, spec0.group_name)
         reduced = collectives._over_replicas(reduced, replicate)
         out, offset = [], 0
-        for layout in layouts:
+        for layout, spec in zip(layouts, ctx.specs):
             piece = reduced[offset : offset + layout.numel]
             offset += layout.numel
             piece = piece.view(layout.rows_per_rank, *layout.row_shape)[: layout.local_rows]
-            out.append(collectives._to(piece, layout.shard_dtype))
+            piece = collectives._to(piece, layout.shard_dtype)
+            out.append(sharded_grad(piece, spec) if spec is not None else piece)
         return (None, None, None, *out)
 
 
@@ -123,11 +129,11 @@ class Bucket:
     def __init__(self, members: list[tuple[ShardSpec, torch.Tensor]], *, differentiable: bool) -> None:
         self.spec0 = members[0][0]
         self.layouts = tuple(spec.flat_layout(param.dtype) for spec, param in members)
-        if differentiable:  # linked to the sharded params: the grads come back through here
-            shards = [eager_local(p) for _, p in members]
-        else:
-            shards = [p._local_tensor if isinstance(p, DTensor) else p for _, p in members]
-        self._shards: list[torch.Tensor] | None = shards if differentiable else None
+        shards = [p._local_tensor if isinstance(p, DTensor) else p for _, p in members]
+        # the sharded params, when the grads come back through this bucket (``member``)
+        self._params: list[torch.Tensor] | None = (
+            [p for _, p in members] if differentiable else None
+        )
         dtype = self.spec0.param_dtype or members[0][1].dtype
         gathered = collectives.all_gather(
             copy_in(dtype, self.layouts, shards), self.spec0.group_size, self.spec0.group_name
@@ -142,12 +148,12 @@ class Bucket:
         """The k-th member's unsharded param (waits for the bucket the first time)."""
         if self._members is None:
             gathered = self.settle()
-            if self._shards is not None:
-                outs = _BucketGather.apply(self.spec0, self.layouts, gathered, *self._shards)
+            if self._params is not None:
+                outs = _BucketGather.apply(self.spec0, self.layouts, gathered, *self._params)
             else:
                 with torch.no_grad():
                     outs = copy_out(gathered, self.spec0.group_size, self.layouts)
-            self._members, self._gathered, self._shards = list(outs), None, None
+            self._members, self._gathered, self._params = list(outs), None, None
         full, self._members[k] = self._members[k], None
         if full is None:
             raise RuntimeError(f"fczero: bucket member {k} was handed out twice (an internal error)")

@@ -231,3 +231,29 @@ def test_per_step_copies_and_waits_follow_buckets_not_params(fake_pg, blocks):
     assert c["split_with_sizes_copy"] == blocks  # one copy-out per bucket
     assert c["_chunk_cat"] == blocks  # one grad layout per bucket
     assert c.get("clone", 0) == 0
+
+
+def test_a_bucket_is_one_autograd_node_over_the_sharded_params(fake_pg):
+    """The bucket's node takes the members' sharded params as its inputs: no node per
+    member between them (what ``_EagerLocal`` would add), and the grads that come back
+    are DTensors laid out like the params."""
+    model = fczero.parallelize(
+        ThreeBlocks(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(bucket_bytes=BLOCK + 16384)
+    )
+    x = torch.randn(4, 512)
+    model(x).sum().backward()  # the first step records the order
+    loss = model(x).sum()
+    names, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(fn for fn, _ in node.next_functions)
+    assert names.count("_BucketGatherBackward") == 3  # a bucket per block (head in blocks.2's)
+    assert "_EagerLocalBackward" not in names
+    loss.backward()
+    params = dict(model.named_parameters())
+    assert all(isinstance(p.grad, torch.distributed.tensor.DTensor) for p in params.values())
+    assert all(p.grad.placements == p.placements for p in params.values())
