@@ -31,14 +31,18 @@ from fczero.models.llama import Llama, LlamaConfig
 
 logger = logging.getLogger("fczero.bench")
 
-ARMS = ("plain-eager", "plain-compiled", "fczero-eager", "fczero-compiled")
-"""Every arm, in the order they run; ``fczero-X`` is compared with ``plain-X``."""
+ARMS = ("plain-eager", "plain-compiled", "fczero-eager", "fczero-compiled", "fsdp2-eager")
+"""Every arm, in the order they run; ``fczero-X`` and ``fsdp2-X`` are compared with
+``plain-X``. ``fsdp2-eager`` (FSDP2's ``fully_shard`` on each block and the root) is not in
+the default sweep: ``--arms`` names it."""
+
+DEFAULT_ARMS = ARMS[:4]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.host_cost", description=__doc__.split("\n")[0])
     p.add_argument("--layers", default="2,4,8,16", help="decoder blocks to sweep (comma-separated)")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"from {', '.join(ARMS)}")
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"from {', '.join(ARMS)}")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     p.add_argument("--world", type=int, default=2, help="ranks of the fake process group")
     p.add_argument("--steps", type=int, default=30, help="timed steps per arm (median)")
@@ -59,9 +63,16 @@ def build(arm: str, layers: int, backend: str, mesh) -> tuple[TrainStep, int]:
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=2, ffn_dim=64, max_seq_len=16)
-    root: nn.Module = LossModule(Llama(cfg))
+    model = Llama(cfg)
+    root: nn.Module = LossModule(model)
     if arm.startswith("fczero"):
         fczero.parallelize(root, mesh)
+    elif arm.startswith("fsdp2"):
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(root, mesh=mesh)
     params = list(root.parameters())
     opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
     module = torch.compile(root, backend=backend) if arm.endswith("compiled") else root
@@ -98,9 +109,9 @@ def _sweep(args: argparse.Namespace, mesh) -> list[dict]:
                             "host_ms": total, **{p: phases[p]["host_ms"] for p in PHASES}})  # fmt: skip
             logger.info("%s, %d blocks: %.2f host ms/step", arm, layers, total)
     for r in records:
-        base = next((b for b in records if b["layers"] == r["layers"]
-                     and b["arm"] == r["arm"].replace("fczero", "plain")), None)  # fmt: skip
-        r["x_plain"] = r["host_ms"] / base["host_ms"] if base and r["arm"].startswith("fczero") else None
+        plain = "plain-" + r["arm"].split("-", 1)[1]
+        base = next((b for b in records if b["layers"] == r["layers"] and b["arm"] == plain), None)
+        r["x_plain"] = r["host_ms"] / base["host_ms"] if base and r["arm"] != plain else None
     return records
 
 

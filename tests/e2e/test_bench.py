@@ -97,8 +97,9 @@ def test_host_cost_smoke_run(tmp_path: Path) -> None:
     """The host-cost bench on the fake process group: two sizes, every arm, ratios to plain."""
     from bench import host_cost
 
+    arms = ",".join(host_cost.ARMS)  # the default sweep and FSDP2 eager
     records = host_cost.run(
-        host_cost.parse_args(["--layers", "1,2", "--backend", "aot_eager", "--steps", "3"])
+        host_cost.parse_args(["--layers", "1,2", "--backend", "aot_eager", "--steps", "3", "--arms", arms])
     )
     assert [(r["layers"], r["arm"]) for r in records] == [
         (n, arm) for n in (1, 2) for arm in host_cost.ARMS
