@@ -1,14 +1,16 @@
 """Host cost on the CPU: what fczero adds to a step's Python and dispatch time.
 
     python -m bench.host_cost                                  # 2, 4, 8, 16 blocks, Inductor
-    python -m bench.host_cost --layers 2 --backend aot_eager   # the suite's smoke run
+    python -m bench.host_cost --layers 2 --backend aot_eager   # a quick run
+    python -m bench.host_cost --layers 16 --arms plain-eager,fczero-eager,fsdp2-eager
 
 One process joins a fake process group (``world`` ranks, default 2) whose collectives
 return at once, so nothing is communicated and nothing waits: the model is tiny (width
 32), so its kernels cost next to nothing and a step's time is host work. For each size
 it times the plain model and fczero's, eager and compiled, phase by phase
 (``bench.phases``), and reports each fczero arm's host time over the plain model's in
-the same mode. The sweep over blocks shows the cost per parameter and per collective:
+the same mode (``fsdp2-eager``, when asked for, is compared with plain eager too). The
+sweep over blocks shows the cost per parameter and per collective:
 each block adds 9 params and, compiled, one bucket of collectives.
 """
 
