@@ -12,8 +12,8 @@ output buffer and the collective only fills the other slots:
                                              ag = all_gather_into_tensor_out(x, w, g, out=out)
                                              y  = wait_tensor(ag)
 
-Inductor fuses the cast and the concatenation into the ``copy_`` (one kernel, no
-temporary). The pass runs last, after bucketing and scheduling have placed every
+Inductor fuses the cast, the concatenation and the ``copy_`` into one kernel (which
+still writes the concatenation's own buffer, then the slot). The pass runs last, after bucketing and scheduling have placed every
 gather, and it moves nothing: only the slot's offset depends on the rank, never which
 collectives run or in what order.
 """
