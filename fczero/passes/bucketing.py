@@ -10,6 +10,14 @@ concatenated shards; each param is then copied out of its column of the result:
                                              w1 = m[:, :n1].clone().view(shape1)
                                              w2 = m[:, n1:].clone().view(shape2)
 
+[Note: copy-out]
+Each rank's rows of a param lie apart in the gathered table, so a param's column is
+copied out into storage of its own. A column that is contiguous already (at a world
+size of 1 the table is one row) is handed out as a view of the table instead: no copy,
+and no second copy of the bucket alive while the pieces are made. The table then lives
+until its last member's last use, in a bucket of one block about as long as the copies
+would. The choice reads shapes only, so it is the same on every rank.
+
 Reduces of one block become one reduce-scatter of the rank-major concatenation
 ``cat([g1.view(world, -1), g2.view(world, -1)], dim=1)``, split again after the wait.
 Under HSDP the all-reduces of the reduced shards over the replicate group are
@@ -160,16 +168,7 @@ def _merge_gathers(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None
             column = insert(
                 graph, fake_mode, aten.slice.Tensor, (table, 1, offset, offset + n), like=c.node
             )
-            pieces.append(
-                insert(
-                    graph,
-                    fake_mode,
-                    aten.clone.default,
-                    (column,),
-                    {"memory_format": torch.contiguous_format},
-                    like=c.node,
-                )
-            )
+            pieces.append(_contiguous(graph, fake_mode, column))  # [Note: copy-out]
             offset += n
         hand_out(graph, fake_mode, bucket, pieces)
 

@@ -1,13 +1,26 @@
 """Bucketing (fczero/passes/bucketing.py): one all-gather and one reduce-scatter per
-bucket of whole blocks, the first and last block alone, reduces sized in the gathered dtype."""
+bucket of whole blocks, the first and last block alone, reduces sized in the gathered dtype,
+and a contiguous column handed out without a copy."""
 
 from __future__ import annotations
 
+import copy
 import unittest
 
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import fczero
 from fczero.passes import run_passes
+from fczero.testing.backends import recording
 from fczero.testing.graphs import collective_sequence
+from tests.models import ThreeBlocks
 from tests.passes import ThreeBlocksGraphs, settings
+
+
+def _clones(gm: torch.fx.GraphModule) -> int:
+    return sum(n.target is torch.ops.aten.clone.default for n in gm.graph.nodes)
 
 
 class BucketingTest(ThreeBlocksGraphs):
@@ -81,6 +94,42 @@ class BucketingTest(ThreeBlocksGraphs):
             ],
         )
         self.assertEqual(len(reduces(None)), 7)  # the head, then each bias and weight apart
+
+    def test_columns_are_copied_out_when_ranks_interleave(self):
+        # [Note: copy-out]: at 2 ranks a param's rows of each rank lie apart in the table
+        fw, _ = self.graphs()
+        run_passes(fw, settings())
+        self.assertEqual(_clones(fw), 6)  # the weight and the bias of each of 3 blocks
+
+
+def test_one_rank_hands_out_views_of_the_bucket_with_the_same_numerics():
+    """[Note: copy-out] at world size 1: the table is one row, so every column is contiguous
+    and handed out as a view (no clone in either graph); loss and grads equal the plain
+    model's (a gloo group of one rank: the collectives are copies)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        ref = ThreeBlocks()
+        model = fczero.parallelize(copy.deepcopy(ref), init_device_mesh("cpu", (1,)))
+        graphs: list[torch.fx.GraphModule] = []
+        x = torch.randn(4, 512)
+        loss = torch.compile(model, backend=recording(graphs), fullgraph=True)(x).pow(2).sum()
+        loss.backward()
+        fw, bw = graphs
+        assert [c for c in collective_sequence(fw) if c.startswith("all_gather")] == [
+            "all_gather_into_tensor_out[262656]",  # blocks.0
+            "all_gather_into_tensor_out[525312]",  # blocks.1 + blocks.2: 4 columns
+            "all_gather_into_tensor_out[8, 512]",  # head
+        ]
+        assert _clones(fw) == 0 and _clones(bw) == 0
+        expected = ref(x).pow(2).sum()
+        expected.backward()
+        torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+        for p, r in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), r.grad, rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
 
 
 if __name__ == "__main__":
