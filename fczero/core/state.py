@@ -53,7 +53,10 @@ class ModuleState:
 class OptimizerState:
     """An optimizer's ``_fczero``."""
 
-    __slots__ = ("offload", "in_parts", "host_step_checked", "params", "states", "swap")
+    __slots__ = (
+        "offload", "in_parts", "host_step_checked", "params", "states", "sharded", "devices",
+        "roots", "view", "swap",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.offload: list[Any] = []  # OptimizerOffload handles (fczero.offload.optimizer)
@@ -63,7 +66,15 @@ class OptimizerState:
         # weak references to their states
         self.params: tuple[torch.Tensor, ...] = ()
         self.states: list[weakref.ref] = []
-        self.swap: Any = None  # what a step on local shards swapped in (fczero.runtime.local_step)
+        # looked up with them: the ids of its sharded params, the devices that
+        # param-offloaded ones compute on, and (weakly) the roots of its params
+        self.sharded: frozenset[int] = frozenset()
+        self.devices: frozenset[torch.device] = frozenset()
+        self.roots: list[weakref.ref] = []
+        # the local step's view of it, kept between steps, and the view swapped in while
+        # a step runs (fczero.runtime.local_step)
+        self.view: Any = None
+        self.swap: Any = None
 
     @staticmethod
     def of(optimizer: torch.optim.Optimizer) -> OptimizerState:

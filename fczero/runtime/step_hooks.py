@@ -27,7 +27,7 @@ from torch.optim.optimizer import (
 )
 
 from fczero.core import host_memory, streams
-from fczero.core.state import OptimizerState, ParamState, RootState, optimizer_state, state_of
+from fczero.core.state import OptimizerState, ParamState, optimizer_state, state_of
 from fczero.runtime import accumulation, guards, local_step
 from fczero.runtime.stages import refresh
 
@@ -67,6 +67,10 @@ def _states_of(optimizer: torch.optim.Optimizer) -> list[ParamState]:
     if states:  # an optimizer of other params gets no fczero attribute
         record = optimizer_state(optimizer)
         record.params, record.states = params, [weakref.ref(s) for s in states]
+        record.sharded = frozenset(id(s.param) for s in states)
+        record.devices = frozenset(s.spec.compute_device for s in states) - {None}
+        roots = {id(s.root): s.root for s in states}  # (in order of first param)
+        record.roots = [weakref.ref(r) for r in roots.values()]
     return states
 
 
@@ -76,26 +80,30 @@ def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
     if OptimizerState.of(optimizer).in_parts:
         return
     states = _states_of(optimizer)
+    if not states:
+        return
     accumulation.check_before_step(states)
-    devices = {s.spec.compute_device for s in states} - {None}
-    if devices:
+    record = OptimizerState.of(optimizer)
+    if record.devices:
         host_memory.check_host_step(optimizer, [s.param for s in states if s.spec.compute_device])
-        streams.wait_for_device(devices)
-    local_step.enter(optimizer, [s.param for s in states])
+        streams.wait_for_device(set(record.devices))
+    local_step.enter(optimizer, record.params, record.sharded)
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     local_step.restore(optimizer)
     if OptimizerState.of(optimizer).in_parts:
         return
-    roots: dict[int, tuple[RootState, set[int]]] = {}
-    for state in _states_of(optimizer):
-        wholes = roots.setdefault(id(state.root), (state.root, set()))[1]
-        if state.whole is not None:
-            wholes.add(id(state))
-    for root, ids in roots.values():
-        if ids:  # stages 1/2: refreshed in the root's order, not the optimizer's
-            refresh([s for s in root.params if id(s) in ids])
+    states = _states_of(optimizer)
+    wholes = {id(s) for s in states if s.whole is not None}
+    for ref in OptimizerState.of(optimizer).roots:
+        root = ref()
+        if root is None:
+            continue
+        if wholes:  # stages 1/2: refreshed in the root's order, not the optimizer's
+            mine = [s for s in root.params if id(s) in wholes]
+            if mine:
+                refresh(mine)
         if root.auto_unsharding is not None:
             root.auto_unsharding.after_step()
 

@@ -132,3 +132,46 @@ def _mixed(rank: int, world: int) -> None:
 
 def test_an_optimizer_with_other_params_steps_dtensors():
     run_on_ranks(_mixed, 2)
+
+
+def _kept_view(rank: int, world: int) -> None:
+    """The local view is built once and kept while the optimizer holds the same objects;
+    a state loaded or replaced between steps is seen (the steps match DTensor's own)."""
+    from fczero.core.state import OptimizerState
+
+    def run(make):
+        torch.manual_seed(0)
+        model = UnevenTiedMLP()
+        fczero.parallelize(model, init_device_mesh("cpu", (2,)))
+        opt = make(model.parameters())
+        views = []
+
+        def between():
+            views.append(OptimizerState.of(opt).view)
+
+        train_steps(model, opt, 3, between)  # the view of step 2 serves step 3
+        opt.load_state_dict(opt.state_dict())  # new state dicts: a new view
+        train_steps(model, opt, 1, between)
+        p = next(p for p in model.parameters() if p.requires_grad and p.dim() == 2)
+        with torch.no_grad():
+            opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"] * 0.5  # a new DTensor value
+        train_steps(model, opt, 1, between)
+        return model, opt, views
+
+    model, opt, views = run(OPTIMIZERS["adamw-fused"])
+    ref_model, ref_opt, _ = run(_on_dtensors(OPTIMIZERS["adamw-fused"]))
+    # step 1 made the states (on DTensors), so step 2 built the view again; step 3 kept it
+    assert None not in views and views[1] is not views[0] and views[2] is views[1]
+    assert views[3] is not views[2] and views[4] is not views[3]
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p.to_local(), q.to_local())
+        if p.requires_grad:
+            for key, value in opt.state[p].items():
+                ref = ref_opt.state[q][key]
+                assert type(value) is type(ref), key
+                local = value.to_local() if isinstance(value, DTensor) else value
+                assert torch.equal(local, ref.to_local() if isinstance(ref, DTensor) else ref), key
+
+
+def test_the_local_view_is_kept_and_built_again_when_the_optimizer_changes():
+    run_on_ranks(_kept_view, 2)
