@@ -42,7 +42,7 @@ cat "$OUT/now/results.md"
 if [ -n "${BASE:-}" ]; then
     (cd "$BASE" && PYTHONPATH="$PWD" torchrun --standalone --nproc-per-node 1 -m bench.run \
         --regimes "$REGIME" --arms "$BASE_ARMS" --steps "$STEPS" --warmup "$WARMUP" \
-        --arm-timeout "$ARM_TIMEOUT" --commit "${BASE_COMMIT:-base}" --out "$OUT/base" \
+        --arm-timeout "$ARM_TIMEOUT" --phases --commit "${BASE_COMMIT:-base}" --out "$OUT/base" \
         --fresh) > "$OUT/log_base.txt" 2>&1 || status=$?
     cat "$OUT/base/results.md"
 fi

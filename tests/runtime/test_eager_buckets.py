@@ -229,7 +229,8 @@ def test_per_step_copies_and_waits_follow_buckets_not_params(fake_pg, blocks):
     assert c["reduce_scatter_tensor"] == blocks
     assert c["wait_tensor"] == collectives  # one wait per collective, none per member
     assert c["split_with_sizes_copy"] == blocks  # one copy-out per bucket
-    assert c["_chunk_cat"] == blocks  # one grad layout per bucket
+    # one copy-in and one grad layout per bucket (rows split evenly: a ``cat``, no padding)
+    assert c["cat"] == 2 * blocks and c.get("_chunk_cat", 0) == 0
     assert c.get("clone", 0) == 0
 
 
@@ -257,3 +258,31 @@ def test_a_bucket_is_one_autograd_node_over_the_sharded_params(fake_pg):
     params = dict(model.named_parameters())
     assert all(isinstance(p.grad, torch.distributed.tensor.DTensor) for p in params.values())
     assert all(p.grad.placements == p.placements for p in params.values())
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_rank_major_lays_out_grads_as_chunk_cat_would(world):
+    """The reduce-scatter input: rank r's row holds the r-th chunk of rows of every grad,
+    cast, in member order; rows that do not split evenly are zero-padded (``_chunk_cat``),
+    rows that do take one ``cat``. Checked against a layout built chunk by chunk."""
+    from fczero.comm.flat import FlatLayout
+    from fczero.runtime.eager_buckets import rank_major
+
+    g = torch.Generator().manual_seed(0)
+    for rows in ([6, 3, 12], [5, 3, 12]):  # the second needs padding at worlds 2 and 3
+        grads = tuple(
+            torch.randn(r, 4, generator=g).bfloat16() for r in rows
+        )
+        layouts = tuple(
+            FlatLayout(-(-r // world), -(-r // world), r, (4,), torch.float32) for r in rows
+        )
+        out = torch.empty(world, sum(layout.numel for layout in layouts))
+        rank_major(grads, layouts, world, out)
+        expected = torch.zeros_like(out)
+        for rank in range(world):
+            offset = 0
+            for grad, layout in zip(grads, layouts):
+                chunk = grad[rank * layout.rows_per_rank : (rank + 1) * layout.rows_per_rank]
+                expected[rank, offset : offset + chunk.numel()] = chunk.float().reshape(-1)
+                offset += layout.numel
+        assert torch.equal(out, expected)
