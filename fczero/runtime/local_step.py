@@ -23,8 +23,9 @@ The local view (the local param lists, state dicts and mapping) is built once an
 on the optimizer's record: each step checks, by identity, that the optimizer still holds
 the same params, groups, state mapping, state dicts and values, and builds it again if
 not (``load_state_dict``, a new param group, a state replaced). On the 953M benchmark
-model (115 params) rebuilding it on every step cost 3 ms of host time per step on one
-H100's host, more than the step itself.
+model (115 params, one H100, compiled, regime M), with the view rebuilt on every step the
+update phase took 5.2 ms of host time against the plain model's 2.2 ms; with the kept
+view, 2.7 against 2.0 ms (another call, another machine).
 
 A param's first step, which creates its states, runs on DTensors: DTensor's own step
 decides which states are DTensors (``exp_avg``) and which stay plain (``step``), which a
@@ -89,6 +90,7 @@ class _View:
     locals_: list[torch.Tensor]  # each param's local tensor, flat
     entries: list[_Entry | None]  # each param's states (None: it had none)
     local_state: dict  # what ``optimizer.state`` is during the step: local -> local states
+    with_states: int  # how many entries are not None (``local_state``'s length when built)
 
 
 def _same_layout(t: torch.Tensor, param: DTensor) -> bool:
@@ -127,6 +129,7 @@ def _build(optimizer: torch.optim.Optimizer, params: tuple, sharded: frozenset[i
         locals_=[p._local_tensor for p in params],
         entries=entries,
         local_state=local_state,
+        with_states=len(local_state),
     )
 
 
@@ -150,11 +153,8 @@ def _still_holds(view: _View, optimizer: torch.optim.Optimizer, params: tuple) -
             if found:
                 return False  # states made since (a step on DTensors): build again
             continue
-        if found is not entry.states or len(found) != len(entry.values):
+        if found is not entry.states or not _same_values(found, entry.values):
             return False
-        for a, b in zip(found.values(), entry.values):
-            if a is not b:
-                return False
     return True
 
 
@@ -201,7 +201,7 @@ def restore(optimizer: torch.optim.Optimizer) -> None:
         local.grad = None
         if entry is not None and not _same_values(entry.local, entry.local_values):
             _write_back(p, entry)
-    if len(view.local_state) != sum(e is not None for e in view.entries):
+    if len(view.local_state) != view.with_states:
         record.view = None  # the step gave a param its first states: build again
         for p, local in zip(view.params, view.locals_):
             made = view.local_state.get(local)
@@ -210,6 +210,7 @@ def restore(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _same_values(d: dict, values: tuple) -> bool:
+    """``d`` holds exactly ``values`` (the same objects, in order)."""
     if len(d) != len(values):
         return False
     for a, b in zip(d.values(), values):
