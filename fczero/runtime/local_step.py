@@ -101,7 +101,9 @@ def _same_layout(t: torch.Tensor, param: DTensor) -> bool:
     return ts.mesh is ps.mesh and (ts.placements is ps.placements or ts.placements == ps.placements)
 
 
-def _build(optimizer: torch.optim.Optimizer, params: tuple, sharded: frozenset[int]) -> _View | None:
+def _build(
+    optimizer: torch.optim.Optimizer, params: tuple, sharded: frozenset[int]
+) -> _View | None:
     """The view of ``optimizer``, or None if its step must run on DTensors: a param that is
     not a sharded param, or a state laid out unlike its param."""
     if any(id(p) not in sharded for p in params):
@@ -224,7 +226,10 @@ def _write_back(param: DTensor, entry: _Entry) -> None:
     plain) counterpart, and remember both dicts' values as they are now."""
     for key, value in entry.local.items():
         before = entry.states.get(key)
-        if not (isinstance(before, DTensor) and value is before._local_tensor) and value is not before:
+        if (
+            not (isinstance(before, DTensor) and value is before._local_tensor)
+            and value is not before
+        ):
             entry.states[key] = _as_state_of(param, value, before)
     entry.values = tuple(entry.states.values())
     entry.local_values = tuple(entry.local.values())

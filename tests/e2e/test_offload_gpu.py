@@ -117,7 +117,6 @@ def _activation_run(rank: int, world_size: int) -> dict:
     from tests.models import ThreeBlocks
 
     out = {}
-    model = compiled = None
     for mode in ("off", "all"):
         # the previous mode's model is freed first (its state may sit in a reference
         # cycle until a collection): its params and grads would count in this peak

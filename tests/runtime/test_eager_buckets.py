@@ -9,6 +9,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import fczero
+from fczero.comm.flat import FlatLayout
 from fczero.core.state import module_state, root_state
 from fczero.runtime import eager_buckets
 from fczero.testing import parity
@@ -265,19 +266,14 @@ def test_rank_major_lays_out_grads_as_chunk_cat_would(world):
     """The reduce-scatter input: rank r's row holds the r-th chunk of rows of every grad,
     cast, in member order; rows that do not split evenly are zero-padded (``_chunk_cat``),
     rows that do take one ``cat``. Checked against a layout built chunk by chunk."""
-    from fczero.comm.flat import FlatLayout
-    from fczero.runtime.eager_buckets import rank_major
-
     g = torch.Generator().manual_seed(0)
     for rows in ([6, 3, 12], [5, 3, 12]):  # the second needs padding at worlds 2 and 3
-        grads = tuple(
-            torch.randn(r, 4, generator=g).bfloat16() for r in rows
-        )
+        grads = tuple(torch.randn(r, 4, generator=g).bfloat16() for r in rows)
         layouts = tuple(
             FlatLayout(-(-r // world), -(-r // world), r, (4,), torch.float32) for r in rows
         )
         out = torch.empty(world, sum(layout.numel for layout in layouts))
-        rank_major(grads, layouts, world, out)
+        eager_buckets.rank_major(grads, layouts, world, out)
         expected = torch.zeros_like(out)
         for rank in range(world):
             offset = 0

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fczero
+from fczero.core.state import OptimizerState
 from fczero.runtime import local_step
 from fczero.testing.distributed import run_on_ranks
 from tests.models import UnevenTiedMLP, train_steps
@@ -137,7 +138,6 @@ def test_an_optimizer_with_other_params_steps_dtensors():
 def _kept_view(rank: int, world: int) -> None:
     """The local view is built once and kept while the optimizer holds the same objects;
     a state loaded or replaced between steps is seen (the steps match DTensor's own)."""
-    from fczero.core.state import OptimizerState
 
     def run(make):
         torch.manual_seed(0)
