@@ -1,6 +1,7 @@
 """The parity cases the numerics tests share: ``Case`` (a model, an optimizer, a compile
 backend and ``parallelize`` options), ``run_cases`` (trains a list of cases in one rank's
-process; spawned ranks import it), the bf16 mixed-precision options, and the fp32 and bf16
+process; spawned ranks import it) over ``train_each`` (any list of training runs, also
+tests/e2e/test_hf_llama.py's), the bf16 mixed-precision options, and the fp32 and bf16
 tolerances the cases are held to (why these: tests/e2e/test_numerics.py's docstring).
 test_numerics runs its cases on gloo ranks, tests/runtime/test_stages.py adds ZeRO stages 1
 and 2, and tests/e2e/test_gpu.py runs them under NCCL."""
@@ -75,9 +76,21 @@ def run_cases(
     rank: int, world_size: int, cases: list[Case], device_type: str = "cpu"
 ) -> list[parity.Trace]:
     """Train every case in this rank's process (tests on GPUs call it too)."""
-    traces = []
+    runs = []
     for case in cases:
         build, batches, criterion = case.setup()
+        options = dict(case.options)
+        runs.append((build, batches, criterion, case.optimizer, case.lr, case.backend, options))
+    return train_each(rank, world_size, runs, device_type)
+
+
+def train_each(
+    rank: int, world_size: int, runs: list[tuple], device_type: str
+) -> list[parity.Trace]:
+    """Train each run, ``(build, batches, criterion, optimizer, lr, compile backend,
+    parallelize options)``, in this rank's process, with Dynamo reset before each."""
+    traces = []
+    for build, batches, criterion, optimizer, lr, backend, options in runs:
         torch._dynamo.reset()
         traces.append(
             parity.train_parallel(
@@ -86,11 +99,11 @@ def run_cases(
                 build,
                 batches,
                 criterion,
-                optimizer=case.optimizer,
-                lr=case.lr,
-                compile_backend=case.backend,
+                optimizer=optimizer,
+                lr=lr,
+                compile_backend=backend,
                 device_type=device_type,
-                **dict(case.options),
+                **options,
             )
         )
     return traces

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from fczero.testing import parity
 from fczero.testing.distributed import gpu_world_size, run_on_ranks
-from tests.cases import BF16_MP
+from tests.cases import BF16_MP, train_each
 from tests.checkpoint_policies import save_attention_context
 from tests.models import token_batches
 
@@ -118,24 +118,11 @@ CASES = [
 
 
 def _run_cases(rank: int, world_size: int, cases, batches, device_type: str):
-    traces = []
-    for _, build, backend, options in cases:
-        torch._dynamo.reset()
-        traces.append(
-            parity.train_parallel(
-                rank,
-                world_size,
-                build,
-                batches,
-                parity.cross_entropy,
-                optimizer="adamw",
-                lr=LR,
-                compile_backend=backend,
-                device_type=device_type,
-                **options,
-            )
-        )
-    return traces
+    runs = [
+        (build, batches, parity.cross_entropy, "adamw", LR, backend, options)
+        for _, build, backend, options in cases
+    ]
+    return train_each(rank, world_size, runs, device_type)
 
 
 def _expected(name: str, device: str = "cpu") -> parity.Trace:
