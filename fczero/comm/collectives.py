@@ -154,7 +154,10 @@ def _ranks_averaged(group_size: int, replicate: tuple[int, str] | None) -> int:
 def _average(
     grad: torch.Tensor, group_size: int, replicate: tuple[int, str] | None
 ) -> torch.Tensor:
-    return grad / _ranks_averaged(group_size, replicate)
+    """The grad's mean over ranks; over one rank the grad itself (a division by one would
+    still cost a pass over it in compiled graphs, where Inductor keeps it)."""
+    ranks = _ranks_averaged(group_size, replicate)
+    return grad / ranks if ranks != 1 else grad
 
 
 def average_(grad: torch.Tensor, group_size: int, replicate: tuple[int, str] | None) -> torch.Tensor:

@@ -21,6 +21,7 @@ GROUP_ARG = {
     "all_gather_into_tensor_out": 2,  # written in place (``fczero.passes.in_place``)
     "reduce_scatter_tensor": 3,
     "all_reduce": 2,
+    "all_reduce_": 2,  # a reduce over one rank, in place (``fczero.passes.in_place``)
 }
 
 

@@ -43,6 +43,7 @@ _ALIASING = {
     "copy_",  # returns its (mutated) first argument
     # returns ``out``, whose slot its first argument is (``fczero.passes.in_place``)
     "all_gather_into_tensor_out",
+    "all_reduce_",  # a reduce over one rank, in place (``fczero.passes.in_place``)
 }
 
 

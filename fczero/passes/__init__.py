@@ -9,6 +9,7 @@
 | prefetch_all_gathers_pass     | schedule.py  | gathers issued a block ahead, under a budget  |
 | one_in_flight_pass            | schedule.py  | gloo only: each wait right after its collective |
 | gathers_in_place_pass         | in_place.py  | each shard written into its slot of the output |
+| reduces_in_place_pass         | in_place.py  | a reduce over one rank done in place          |
 
 ``install.py`` hands ``run_passes`` to Inductor (``post_grad_custom_post_pass``),
 after any pass the user had set there. A graph without collectives on a process
@@ -22,7 +23,7 @@ import torch.fx as fx
 from fczero.comm import consistency
 from fczero.passes.all_reduce import bucket_all_reduces_pass
 from fczero.passes.bucketing import bucket_all_gathers_pass, bucket_reduce_scatters_pass
-from fczero.passes.in_place import gathers_in_place_pass
+from fczero.passes.in_place import gathers_in_place_pass, reduces_in_place_pass
 from fczero.passes.registry import PassSettings, check_timeouts, settings_for_graph
 from fczero.passes.schedule import (
     one_in_flight_pass,
@@ -52,4 +53,5 @@ def run_passes(gm: fx.GraphModule, settings: PassSettings | None = None) -> fx.G
         gm, groups, settings.prefetch, settings.memory_budget, settings.warned
     )
     gm = one_in_flight_pass(gm, groups | settings.replicate_groups)
-    return gathers_in_place_pass(gm, groups, settings.rank)
+    gm = gathers_in_place_pass(gm, groups, settings.rank)
+    return reduces_in_place_pass(gm, groups)

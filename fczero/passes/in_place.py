@@ -1,4 +1,5 @@
-"""In-place all-gathers: each rank's shard is written straight into its slot of the output.
+"""In-place collectives: each all-gather writes this rank's shard straight into its slot of
+the output, and a reduce over a group of one rank reduces its input where it lies.
 
 An out-of-place all-gather copies the local input into the output on every rank (at
 world size 1, NCCL's whole all-gather is that copy). Written in place, the shard's
@@ -16,6 +17,23 @@ Inductor fuses the cast, the concatenation and the ``copy_`` into one kernel (wh
 still writes the concatenation's own buffer, then the slot). The pass runs last, after bucketing and scheduling have placed every
 gather, and it moves nothing: only the slot's offset depends on the rank, never which
 collectives run or in what order.
+
+[Note: reducing in place at one rank]
+A reduce-scatter's output is one rank's slice of its input. Out of place it is a new
+buffer, and for good reason at 2+ ranks: the grads handed out are views of it, so an
+in-place output would keep all ``world`` slices of each bucket alive until ``zero_grad``
+(docs/passes.md, pass 6). In a group of one rank the slice is the whole input, so the
+in-place form keeps no extra byte alive, and out of place NCCL would only copy the
+bucket (8 bytes per fp32 element read and written). There the reduce becomes the one
+in-place functional collective with the same meaning, an all-reduce over that group:
+
+    before                                       after (group of one rank)
+    rs = reduce_scatter_tensor(x, "sum", 1, g)   rs = all_reduce_(x, "sum", g)
+    y  = wait_tensor(rs)                         y  = wait_tensor(rs)
+
+The collective is still issued (its host cost is what 2+ ranks pay too); only the copy
+goes. The group's size is the same on every rank, so so is the rewrite. A reduce whose
+input is a graph input or has other users keeps its out-of-place form.
 """
 
 from __future__ import annotations
@@ -24,8 +42,9 @@ import logging
 
 import torch.fx as fx
 
+from fczero.core.memory import storage_root
 from fczero.passes.graph_utils import aten, c10d, fake_mode_of, insert
-from fczero.passes.matching import find_gathers
+from fczero.passes.matching import find_gathers, find_reduces
 
 logger = logging.getLogger("fczero")
 
@@ -72,3 +91,31 @@ def gathers_in_place_pass(gm: fx.GraphModule, groups: set[str], rank: int) -> fx
     gm.recompile()
     logger.info("gathers_in_place_pass: %d all-gathers write in place", len(gathers))
     return gm
+
+
+def reduces_in_place_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphModule:
+    """Rewrite every matched reduce-scatter over a group of one rank on ``groups`` into an
+    in-place all-reduce ([Note: reducing in place at one rank])."""
+    graph = gm.graph
+    reduces = [r for r in find_reduces(graph, groups) if r.group_size == 1 and _owned(r.input)]
+    if not reduces:
+        return gm
+    fake_mode = fake_mode_of(graph)
+    for r in reduces:
+        x, op = r.input, r.node.args[1]
+        with graph.inserting_before(r.node):
+            reduced = insert(
+                graph, fake_mode, c10d.all_reduce_.default, (x, op, r.group_name), like=r.node
+            )
+        r.wait.replace_input_with(r.node, reduced)
+        graph.erase_node(r.node)
+    graph.lint()
+    gm.recompile()
+    logger.info("reduces_in_place_pass: %d reduce-scatters over one rank reduce in place", len(reduces))
+    return gm
+
+
+def _owned(x: fx.Node) -> bool:
+    """Whether ``x`` is an intermediate that only the reduce reads (so writing it in place
+    changes nothing anyone else sees)."""
+    return len(x.users) == 1 and storage_root(x).op == "call_function"

@@ -21,6 +21,7 @@ def _graph() -> tuple[fx.Graph, dict[str, fx.Node]]:
         "scatter": g.call_function(c10d.reduce_scatter_tensor.default, (x, "sum", 2, "8")),
         "reduce": g.call_function(c10d.all_reduce.default, (x, "sum", "9")),
         "in_place": g.call_function(c10d.all_gather_into_tensor_out.default, (x, 2, "6"), {"out": x}),
+        "reduce_": g.call_function(c10d.all_reduce_.default, (x, "sum", "5")),
         "view": g.call_function(torch.ops.aten.view.default, (x, [-1])),
         "packet": g.call_function(torch.ops.aten.relu, (x,)),
         "python": g.call_function(operator.getitem, (x, 0)),
@@ -41,12 +42,13 @@ def test_op_names_drop_namespace_and_overload():
 
 def test_each_collective_names_its_group_and_nothing_else_does():
     _, n = _graph()
-    kinds = ("gather", "scatter", "reduce", "in_place")
-    assert [collective_group(n[k]) for k in kinds] == ["7", "8", "9", "6"]
+    kinds = ("gather", "scatter", "reduce", "in_place", "reduce_")
+    assert [collective_group(n[k]) for k in kinds] == ["7", "8", "9", "6", "5"]
     assert all(collective_group(n[k]) is None for k in ("wait", "view", "python", "x"))
     assert set(GROUP_ARG) == {
         "all_gather_into_tensor",
         "all_gather_into_tensor_out",
         "reduce_scatter_tensor",
         "all_reduce",
+        "all_reduce_",
     }

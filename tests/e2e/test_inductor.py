@@ -7,10 +7,12 @@ graph tests use ``aot_eager``, which hands the backend the same partitioned grap
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch._inductor import config as inductor_config
 from torch._inductor.utils import run_and_get_code
 from torch.distributed.device_mesh import init_device_mesh
@@ -52,6 +54,28 @@ def test_inductor_code_gathers_in_forward_and_again_in_backward(fake_pg):
     assert _calls(forward + backward, "all_gather_into_tensor") == 0
     assert _calls(backward, "reduce_scatter_tensor") == 1
     assert all(isinstance(p.grad, torch.Tensor) for p in model.parameters())
+
+
+def test_inductor_reduces_in_place_over_one_rank_with_the_plain_models_grads():
+    """[Note: reducing in place at one rank] in generated code: a gloo group of one rank
+    reduces each bucket with the in-place all-reduce, and the grads are the plain model's."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        ref = TwoLayer()
+        model = fczero.parallelize(copy.deepcopy(ref), init_device_mesh("cpu", (1,)))
+        compiled = torch.compile(model, fullgraph=True)
+        x = torch.randn(3, 8)
+        _, codes = run_and_get_code(lambda: compiled(x).sum().backward())
+        backward = codes[-1]
+        assert _calls(backward, "all_reduce_") == 1
+        assert _calls(backward, "reduce_scatter_tensor") == 0
+        ref(x).sum().backward()
+        for p, r in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), r.grad)
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
 
 
 def test_inductor_keeps_the_prefetch_order(fake_pg):

@@ -122,6 +122,9 @@ def test_one_rank_hands_out_views_of_the_bucket_with_the_same_numerics():
             "all_gather_into_tensor_out[8, 512]",  # head
         ]
         assert _clones(fw) == 0 and _clones(bw) == 0
+        # [Note: reducing in place at one rank]: each bucket's reduce is an in-place all-reduce
+        reduces = [c for c in collective_sequence(bw) if c.startswith(("reduce", "all_reduce"))]
+        assert reduces == ["all_reduce_[8, 512]", "all_reduce_[525312]", "all_reduce_[262656]"]
         expected = ref(x).pow(2).sum()
         expected.backward()
         torch.testing.assert_close(loss, expected, rtol=0, atol=0)

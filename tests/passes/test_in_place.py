@@ -1,5 +1,6 @@
-"""In-place all-gathers (fczero/passes/in_place.py): each gather's input is copied into this
-rank's slot of the output, nothing moves, and only the slot depends on the rank."""
+"""In-place collectives (fczero/passes/in_place.py): each gather's input is copied into this
+rank's slot of the output, nothing moves, and only the slot depends on the rank; a reduce
+over one rank reduces in place, and only an intermediate that nothing else reads."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import unittest
 from unittest import mock
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fczero.comm.graph_ops import op_name
 from fczero.passes import run_passes
+from fczero.passes.in_place import reduces_in_place_pass
 from fczero.passes.matching import find_gathers
 from tests.passes import ThreeBlocksGraphs, settings
 
@@ -55,6 +58,39 @@ class InPlaceTest(ThreeBlocksGraphs):
     def test_the_rank_is_part_of_the_cache_key(self):
         # Inductor keys its cache on the pass settings: two ranks' graphs differ in the slot
         self.assertNotEqual(repr(settings(rank=0)), repr(settings(rank=1)))
+
+
+def _reduce_graph(world: int, prep: bool, extra_user: bool = False) -> torch.fx.GraphModule:
+    """x (-> relu) -> reduce_scatter(sum, world, "0") -> wait, with fake values."""
+    c10d, g = torch.ops._c10d_functional, torch.fx.Graph()
+    with FakeTensorMode() as mode:
+        x = g.placeholder("x")
+        x.meta["val"] = mode.from_tensor(torch.zeros(4 * world, 3))
+        grad = x
+        if prep:
+            grad = g.call_function(torch.ops.aten.relu.default, (x,))
+            grad.meta["val"] = torch.ops.aten.relu.default(x.meta["val"])
+        rs = g.call_function(c10d.reduce_scatter_tensor.default, (grad, "sum", world, "0"))
+        wait = g.call_function(c10d.wait_tensor.default, (rs,))
+        outputs = (wait, grad) if extra_user else (wait,)
+    g.output(outputs)
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_a_reduce_over_one_rank_is_an_in_place_all_reduce_of_an_intermediate():
+    gm = reduces_in_place_pass(_reduce_graph(world=1, prep=True), {"0"})
+    assert _ops(gm) == ["relu", "all_reduce_", "wait_tensor"]
+    reduce = next(n for n in gm.graph.nodes if op_name(n) == "all_reduce_")
+    assert reduce.args == (reduce.args[0], "sum", "0") and op_name(reduce.args[0]) == "relu"
+    # left out of place: two ranks, a graph input, an intermediate something else reads
+    for graph in (
+        _reduce_graph(world=2, prep=True),
+        _reduce_graph(world=1, prep=False),
+        _reduce_graph(world=1, prep=True, extra_user=True),
+    ):
+        assert "reduce_scatter_tensor" in _ops(reduces_in_place_pass(graph, {"0"}))
+    # and only on fczero's groups
+    assert "reduce_scatter_tensor" in _ops(reduces_in_place_pass(_reduce_graph(1, True), {"9"}))
 
 
 if __name__ == "__main__":
