@@ -207,6 +207,14 @@ def build_floor(ctx: ArmContext) -> Arm:
     return _floor(ctx)
 
 
+def build_floor_eager(ctx: ArmContext) -> Arm:
+    """The model's own eager step (autocast, no comm): no eager system that runs the
+    model's ops one by one can step faster."""
+    root = LossModule(build_model(ctx), autocast_dtype=BF16)
+    opt = adamw(root.parameters(), ctx)
+    return Arm(step=train_step(root, opt), keep=[root, opt])
+
+
 def build_floor_cuda_graphs(ctx: ArmContext) -> Arm:
     return _floor(ctx, mode=CUDA_GRAPHS)
 
@@ -288,6 +296,11 @@ def build_fczero_compiled(ctx: ArmContext) -> Arm:
 
 def build_fczero_cuda_graphs(ctx: ArmContext) -> Arm:
     return _fczero(ctx, compiled=True, mode=CUDA_GRAPHS)
+
+
+def build_fczero_cuda_graphs_keep_all(ctx: ArmContext) -> Arm:
+    """CUDA graphs without resharding after forward: what backward's regathers cost."""
+    return _fczero(ctx, compiled=True, mode=CUDA_GRAPHS, reshard_after_forward=False)
 
 
 def build_fczero_compiled_no_passes(ctx: ArmContext) -> Arm:
@@ -608,6 +621,12 @@ ARMS: dict[str, ArmSpec] = {
             communicates=False,
             needs_cuda=True,
         ),
+        ArmSpec(
+            name="floor-eager",
+            label="floor eager (autocast, no comm)",
+            build=build_floor_eager,
+            communicates=False,
+        ),
         ArmSpec(name="fsdp2-eager", label="FSDP2 eager", build=build_fsdp2_eager),
         ArmSpec(
             name="fsdp2-compiled", label="FSDP2 compiled per block", build=build_fsdp2_compiled
@@ -624,6 +643,12 @@ ARMS: dict[str, ArmSpec] = {
             name="fczero-cudagraphs",
             label="fczero compiled, CUDA graphs (reduce-overhead)",
             build=build_fczero_cuda_graphs,
+            needs_cuda=True,
+        ),
+        ArmSpec(
+            name="fczero-keep-all-cudagraphs",
+            label="fczero compiled, CUDA graphs, no reshard after forward",
+            build=build_fczero_cuda_graphs_keep_all,
             needs_cuda=True,
         ),
         ArmSpec(
@@ -744,7 +769,7 @@ GROUPS: dict[str, list[str]] = {
         "fczero-eager", "fczero-nopasses", "fczero-compiled", "fczero-cudagraphs", "fczero-256mib"
     ],  # fmt: skip
     "cudagraphs": ["floor-cudagraphs", "fczero-cudagraphs"],
-    "unshard": ["fczero-unshard-512mib", "fczero-keep-all"],
+    "unshard": ["fczero-unshard-512mib", "fczero-keep-all", "fczero-keep-all-cudagraphs"],
     "overlap": _OVERLAP_ARMS,
     "fsdp2": ["fsdp2-eager", "fsdp2-compiled"],
 }

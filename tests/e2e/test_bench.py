@@ -232,6 +232,7 @@ def test_select_arms() -> None:
     assert core == [
         "floor",
         "floor-cudagraphs",
+        "floor-eager",
         "fsdp2-eager",
         "fsdp2-compiled",
         "fczero-eager",
