@@ -298,6 +298,12 @@ def build_fczero_cuda_graphs(ctx: ArmContext) -> Arm:
     return _fczero(ctx, compiled=True, mode=CUDA_GRAPHS)
 
 
+def build_fczero_cuda_graphs_auto(ctx: ArmContext) -> Arm:
+    """CUDA graphs with ``keep_unsharded="auto"``: blocks stay gathered from forward to
+    backward where the memory budget has room (planned after the second step)."""
+    return _fczero(ctx, compiled=True, mode=CUDA_GRAPHS, comm_policy=_comm(keep_unsharded="auto"))
+
+
 def build_fczero_cuda_graphs_keep_all(ctx: ArmContext) -> Arm:
     """CUDA graphs without resharding after forward: what backward's regathers cost."""
     return _fczero(ctx, compiled=True, mode=CUDA_GRAPHS, reshard_after_forward=False)
@@ -652,6 +658,13 @@ ARMS: dict[str, ArmSpec] = {
             needs_cuda=True,
         ),
         ArmSpec(
+            name="fczero-auto-cudagraphs",
+            label="fczero compiled, CUDA graphs, keep_unsharded=auto",
+            build=build_fczero_cuda_graphs_auto,
+            needs_cuda=True,
+            min_warmup=6,
+        ),
+        ArmSpec(
             name="fczero-256mib",
             label="fczero compiled, 256 MiB buckets",
             build=build_fczero_compiled_two_blocks,
@@ -769,7 +782,10 @@ GROUPS: dict[str, list[str]] = {
         "fczero-eager", "fczero-nopasses", "fczero-compiled", "fczero-cudagraphs", "fczero-256mib"
     ],  # fmt: skip
     "cudagraphs": ["floor-cudagraphs", "fczero-cudagraphs"],
-    "unshard": ["fczero-unshard-512mib", "fczero-keep-all", "fczero-keep-all-cudagraphs"],
+    "unshard": [
+        "fczero-unshard-512mib", "fczero-keep-all", "fczero-keep-all-cudagraphs",
+        "fczero-auto-cudagraphs",
+    ],  # fmt: skip
     "overlap": _OVERLAP_ARMS,
     "fsdp2": ["fsdp2-eager", "fsdp2-compiled"],
 }
