@@ -14,9 +14,9 @@ output buffer and the collective only fills the other slots:
                                              y  = wait_tensor(ag)
 
 Inductor fuses the cast, the concatenation and the ``copy_`` into one kernel (which
-still writes the concatenation's own buffer, then the slot). The pass runs last, after bucketing and scheduling have placed every
-gather, and it moves nothing: only the slot's offset depends on the rank, never which
-collectives run or in what order.
+still writes the concatenation's own buffer, then the slot). The pass runs after
+bucketing and scheduling have placed every gather, and it moves nothing: only the slot's
+offset depends on the rank, never which collectives run or in what order.
 
 [Note: reducing in place at one rank]
 A reduce-scatter's output is one rank's slice of its input. Out of place it is a new
@@ -111,11 +111,13 @@ def reduces_in_place_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphModul
         graph.erase_node(r.node)
     graph.lint()
     gm.recompile()
-    logger.info("reduces_in_place_pass: %d reduce-scatters over one rank reduce in place", len(reduces))
+    logger.info(
+        "reduces_in_place_pass: %d reduce-scatters over one rank reduce in place", len(reduces)
+    )
     return gm
 
 
 def _owned(x: fx.Node) -> bool:
-    """Whether ``x`` is an intermediate that only the reduce reads (so writing it in place
-    changes nothing anyone else sees)."""
+    """Whether ``x`` is an intermediate that only the reduce reads. (A sum over one rank
+    changes no value anyway; this keeps graph inputs and shared buffers unmutated.)"""
     return len(x.users) == 1 and storage_root(x).op == "call_function"
