@@ -3,6 +3,7 @@
     python -m bench.host_cost                                  # 2, 4, 8, 16 blocks, Inductor
     python -m bench.host_cost --layers 2 --backend aot_eager   # a quick run
     python -m bench.host_cost --layers 16 --arms plain-eager,fczero-eager,fsdp2-eager
+    python -m bench.host_cost --layers 16 --device cuda        # the same toy on one GPU
 
 One process joins a fake process group (``world`` ranks, default 2) whose collectives
 return at once, so nothing is communicated and nothing waits: the model is tiny (width
@@ -11,7 +12,10 @@ it times the plain model and fczero's, eager and compiled, phase by phase
 (``bench.phases``), and reports each fczero arm's host time over the plain model's in
 the same mode (``fsdp2-eager``, when asked for, is compared with plain eager too). The
 sweep over blocks shows the cost per parameter and per collective:
-each block adds 9 params and, compiled, one bucket of collectives.
+each block adds 9 params and, compiled, one bucket of collectives. With ``--device cuda``
+the toy runs on one GPU (still the fake group, so 2+ ranks' copy-in and copy-out run
+with nothing communicated): its kernels are real launches, and each phase also reports
+GPU time.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"from {', '.join(ARMS)}")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     p.add_argument("--world", type=int, default=2, help="ranks of the fake process group")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the toy runs")
     p.add_argument("--steps", type=int, default=30, help="timed steps per arm (median)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiling)")
     p.add_argument("--out", type=Path, help="write results.jsonl and results.md here")
@@ -60,12 +65,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def build(arm: str, layers: int, backend: str, mesh) -> tuple[TrainStep, int]:
-    """The arm's step over a fresh tiny Llama of ``layers`` blocks, and its param count."""
+    """The arm's step over a fresh tiny Llama of ``layers`` blocks (on the mesh's device
+    type), and its param count."""
     import fczero
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=2, ffn_dim=64, max_seq_len=16)
-    model = Llama(cfg)
+    model = Llama(cfg).to(mesh.device_type)
     root: nn.Module = LossModule(model)
     if arm.startswith("fczero"):
         fczero.parallelize(root, mesh)
@@ -89,7 +95,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     if own_group:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
     try:
-        return _sweep(args, init_device_mesh("cpu", (args.world,)))
+        return _sweep(args, init_device_mesh(args.device, (args.world,)))
     finally:
         torch._dynamo.reset()
         if own_group:
@@ -97,7 +103,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def _sweep(args: argparse.Namespace, mesh) -> list[dict]:
-    batches = [torch.randint(0, 64, (1, 17))]
+    device = torch.device(args.device)
+    batches = [torch.randint(0, 64, (1, 17), device=device)]
     records = []
     for layers in args.layers:
         for arm in args.arms:
@@ -105,10 +112,12 @@ def _sweep(args: argparse.Namespace, mesh) -> list[dict]:
             step, n_params = build(arm, layers, args.backend, mesh)
             for _ in range(args.warmup):
                 step(batches[0])
-            phases = time_phases(step, batches, steps=args.steps, device=torch.device("cpu"))
+            phases = time_phases(step, batches, steps=args.steps, device=device)
             total = sum(phases[p]["host_ms"] for p in PHASES)
             records.append({"arm": arm, "layers": layers, "params": n_params, "backend": args.backend,
-                            "host_ms": total, **{p: phases[p]["host_ms"] for p in PHASES}})  # fmt: skip
+                            "device": args.device, "host_ms": total,
+                            **{p: phases[p]["host_ms"] for p in PHASES},
+                            **{f"{p}_gpu": phases[p].get("gpu_ms") for p in PHASES}})  # fmt: skip
             logger.info("%s, %d blocks: %.2f host ms/step", arm, layers, total)
     for r in records:
         plain = "plain-" + r["arm"].split("-", 1)[1]
@@ -126,12 +135,16 @@ def per_param_ms(records: list[dict], arm: str) -> float | None:
 
 
 def markdown(records: list[dict]) -> str:
+    gpu = any(r.get("device") == "cuda" for r in records)
     head = ["blocks", "params", "arm", *(f"{p} ms" for p in PHASES), "host ms/step", "x plain"]
+    head += ["GPU ms/step"] if gpu else []
     lines = ["| " + " | ".join(head) + " |", "| ---: | ---: | --- |" + " ---: |" * (len(head) - 3)]
     for r in records:
         ratio = f"{r['x_plain']:.2f}" if r["x_plain"] is not None else "-"
         cells = [str(r["layers"]), str(r["params"]), r["arm"], *(f"{r[p]:.2f}" for p in PHASES),
                  f"{r['host_ms']:.2f}", ratio]  # fmt: skip
+        if gpu:
+            cells.append(f"{sum(r[f'{p}_gpu'] for p in PHASES):.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     slopes = [(a, per_param_ms(records, a)) for a in dict.fromkeys(r["arm"] for r in records)]
     lines += ["", "Host ms per param (slope over the sweep): "

@@ -1,6 +1,7 @@
 """Several shards gathered as one: where each lies in the flat buffer, the copy in and the
 copy out. An eager bucket (``fczero.runtime.eager_buckets``) and the refresh of stage 1/2's
-whole copies (``fczero.runtime.stages``) gather this way.
+whole copies (``fczero.runtime.stages``) gather this way. A compiled bucket of reduces
+(``fczero.passes.bucketing``) lays its grads out with ``fczero::chunk_cat``.
 
     copy_in:  each shard, cast and padded to its rows per rank, laid end to end (one op)
     gather:   one all_gather_into_tensor -> [world, sum of padded numels]; shard k of
@@ -68,3 +69,18 @@ def copy_out(gathered: torch.Tensor, world: int, layouts: tuple[FlatLayout, ...]
         out if out.shape[0] == layout.whole_rows else out.narrow(0, 0, layout.whole_rows)
         for out, layout in zip(outs, layouts)
     ]
+
+
+@torch.library.custom_op("fczero::chunk_cat", mutates_args=())
+def chunk_cat(grads: list[torch.Tensor], world: int) -> torch.Tensor:
+    """The input of a compiled bucket's reduce-scatter, in one op: ``[world, n]`` whose row
+    ``r`` is rank ``r``'s rows of every grad, grad after grad (each grad's dim 0 divides by
+    ``world``). ``torch._chunk_cat`` does it in one kernel on CUDA; Inductor would lower it
+    to a ``cat``, which copies each grad an extern kernel made (a matmul's) in a kernel of
+    its own ([Note: one copy-in per bucket] in ``fczero.passes.bucketing``)."""
+    return torch._chunk_cat(grads, 0, world)
+
+
+@chunk_cat.register_fake
+def _(grads: list[torch.Tensor], world: int) -> torch.Tensor:
+    return grads[0].new_empty((world, sum(g.numel() // world for g in grads)))

@@ -20,6 +20,17 @@ would. The choice reads shapes only, so it is the same on every rank.
 
 Reduces of one block become one reduce-scatter of the rank-major concatenation
 ``cat([g1.view(world, -1), g2.view(world, -1)], dim=1)``, split again after the wait.
+
+[Note: one copy-in per bucket]
+Inductor writes a grad that one of its own kernels makes (a division by the world size,
+a cast to ``reduce_dtype``) straight into a ``cat``'s output, but a grad from an extern
+kernel (a matmul's) it copies in with a kernel of its own, launched from the host: 86
+of them per step on the 16-block toy of ``bench.host_cost`` at one rank on a GPU
+(Triton; the C++ backend fuses such copies into one). So a bucket whose grads come from
+matmuls with nothing pointwise after them (one rank: no division) is laid out by one
+op, ``fczero::chunk_cat`` (``fczero.comm.flat``: ``torch._chunk_cat``, one kernel on
+CUDA), at the same bytes; any other keeps the ``cat``. The choice reads the graph's ops
+only, the same on every rank.
 Under HSDP the all-reduces of the reduced shards over the replicate group are
 bucketed the same way: one all-reduce of ``cat([s1.view(-1), s2.view(-1)])``.
 Buckets are formed in program order from whole blocks (``matching.block_key``),
@@ -42,7 +53,9 @@ import logging
 import torch
 import torch.fx as fx
 
+from fczero.comm import flat  # noqa: F401 - registers torch.ops.fczero.chunk_cat
 from fczero.comm.buckets import Unit, plan_buckets
+from fczero.comm.graph_ops import op_name
 from fczero.passes.graph_utils import (
     aten,
     c10d,
@@ -56,6 +69,7 @@ from fczero.passes.matching import Collective, find_gathers, find_reduces
 
 logger = logging.getLogger("fczero")
 
+_CHUNK_CAT = torch.ops.fczero.chunk_cat.default  # [Note: one copy-in per bucket]
 _MIN_BUCKET = 1 << 20  # 1 MiB: a lone norm weight is not worth its own collective
 
 
@@ -178,12 +192,17 @@ def _merge_reduces(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None
     last = max(bucket, key=lambda c: pos[c.node]).node  # every grad is ready here
     world, group = bucket[0].group_size, bucket[0].group_name
     with graph.inserting_before(last):
-        rows = []
-        for c in bucket:
-            g = _contiguous(graph, fake_mode, c.input)
-            rows.append(insert(graph, fake_mode, aten.view.default, (g, [world, -1]), like=c.node))
-        sizes = [r.meta["val"].shape[1] for r in rows]
-        table = insert(graph, fake_mode, aten.cat.default, (rows, 1), like=last)
+        if _copied_in_one_op(bucket):  # [Note: one copy-in per bucket]
+            grads = [_contiguous(graph, fake_mode, c.input) for c in bucket]
+            sizes = [g.meta["val"].numel() // world for g in grads]
+            table = insert(graph, fake_mode, _CHUNK_CAT, (grads, world), like=last)
+        else:
+            rows = []
+            for c in bucket:
+                g = _contiguous(graph, fake_mode, c.input)
+                rows.append(insert(graph, fake_mode, aten.view.default, (g, [world, -1]), like=c.node))
+            sizes = [r.meta["val"].shape[1] for r in rows]
+            table = insert(graph, fake_mode, aten.cat.default, (rows, 1), like=last)
         flat = insert(graph, fake_mode, aten.view.default, (table, [-1]), like=last)
         rs = insert(
             graph,
@@ -194,6 +213,35 @@ def _merge_reduces(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None
         )
         wait = insert(graph, fake_mode, c10d.wait_tensor.default, (rs,), like=last)
         hand_out(graph, fake_mode, bucket, slices(graph, fake_mode, wait, bucket, sizes))
+
+
+#: Ops Inductor runs as extern kernels (cuBLAS, cuDNN), whose output it copies into a ``cat``.
+_EXTERN = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution_backward"})
+_REINTERPRETS = frozenset({"view", "_unsafe_view", "reshape", "t", "permute", "getitem", "alias"})
+
+
+def _copied_in_one_op(bucket: list[Collective]) -> bool:
+    """Whether the bucket's reduce input is laid out by ``fczero::chunk_cat``: some member's
+    grad comes from an extern kernel, and none from a pointwise op (a division by the world
+    size, a cast to ``reduce_dtype``), which Inductor writes into a ``cat`` in place."""
+    producers = [_producer(c.input) for c in bucket]
+    return any(op_name(p) in _EXTERN for p in producers) and not any(
+        _pointwise(p) for p in producers
+    )
+
+
+def _producer(node: fx.Node) -> fx.Node:
+    """The op that computed ``node``'s values (looking through views)."""
+    while node.op == "call_function" and op_name(node) in _REINTERPRETS:
+        node = node.args[0]
+    return node
+
+
+def _pointwise(node: fx.Node) -> bool:
+    target = node.target
+    if op_name(node) in ("_to_copy", "convert_element_type", "clone"):
+        return True
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
 
 
 def flatten_inputs(

@@ -1,8 +1,10 @@
 """The flat gather of several shards (fczero/comm/flat.py): the copy in pads and casts each
-shard into one buffer, and the copy out hands every param back whole, in storage of its own."""
+shard into one buffer, and the copy out hands every param back whole, in storage of its own;
+a compiled bucket's reduce input (``fczero::chunk_cat``) lays every rank's rows out together."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fczero.comm.flat import FlatLayout, copy_in, copy_out
@@ -40,3 +42,19 @@ def test_even_shards_are_laid_end_to_end_in_one_copy():
     flat = copy_in(torch.bfloat16, layouts, [torch.ones(1, 3), torch.tensor([2.0, 3.0])])
     assert flat.dtype == torch.bfloat16 and flat.tolist() == [1.0, 1.0, 1.0, 2.0, 3.0]
     assert [layout.numel for layout in layouts] == [3, 2]
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA")])],
+)  # fmt: skip
+def test_chunk_cat_lays_out_each_ranks_rows_of_every_grad_together(device):
+    # the compiled reduce input (one op per bucket): 2 ranks, a (4, 3) grad and a (2,) grad;
+    # row r is rank r's 2 rows of the first, then its 1 element of the second
+    a = torch.arange(12.0, device=device).view(4, 3)
+    b = torch.tensor([100.0, 200.0], device=device)
+    table = torch.ops.fczero.chunk_cat([a, b], 2)
+    expected = torch.cat([a.view(2, -1), b.view(2, -1)], dim=1)
+    assert table.shape == (2, 7) and torch.equal(table, expected)
+    assert table[1].tolist() == [6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 200.0]
