@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from fczero.comm import collectives
 from fczero.comm.consistency import EagerLog
 from fczero.comm.reducer import Reducer, Route
 from fczero.core.spec import eager_local, sharded_grad
+from fczero.core.weak_ids import WeakIds
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -238,11 +238,16 @@ def _grad_arrived(state: weakref.ref, leaf: torch.Tensor) -> None:
 
 #: Sharded param -> weak reference to its state (for the optimizer hooks). Both weak: the
 #: model alone keeps its states (and so its params) alive.
-_STATES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_STATES = WeakIds()
 
 
 def remember(state: ParamState) -> None:
     _STATES[state.param] = weakref.ref(state)
+
+
+def any_sharded(params: tuple[torch.Tensor, ...]) -> bool:
+    """Whether some of ``params`` may be fczero's sharded params (one pass over their ids)."""
+    return _STATES.any_of(params)
 
 
 def state_of(param: torch.Tensor) -> ParamState | None:

@@ -37,7 +37,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils.weak import WeakIdKeyDictionary
+
+from fczero.core.weak_ids import WeakIds
 
 logger = logging.getLogger("fczero")
 
@@ -49,7 +50,7 @@ logger = logging.getLogger("fczero")
 # classes are generated once per user class and shared by every model of that class;
 # they hold no state of a model, and are held weakly too (a class lives while a module
 # of it does).
-_REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_REPLACED = WeakIds()
 _GUARDED_CLASSES: weakref.WeakValueDictionary[type, type] = weakref.WeakValueDictionary()
 
 
@@ -88,6 +89,11 @@ def check_devices(params: Iterable[tuple[str, torch.device]], mesh_device_type: 
                 f"device: init_device_mesh({device.type!r}, (world_size,)) (with a "
                 "process group of that device's backend, e.g. nccl for cuda)."
             )
+
+
+def any_replaced(params: tuple[torch.Tensor, ...]) -> bool:
+    """Whether some of ``params`` may be params ``parallelize`` replaced (one pass over ids)."""
+    return _REPLACED.any_of(params)
 
 
 def replaced_name(param: torch.Tensor) -> str | None:

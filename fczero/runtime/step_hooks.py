@@ -27,7 +27,13 @@ from torch.optim.optimizer import (
 )
 
 from fczero.core import host_memory, streams
-from fczero.core.state import OptimizerState, ParamState, optimizer_state, state_of
+from fczero.core.state import (
+    OptimizerState,
+    ParamState,
+    any_sharded,
+    optimizer_state,
+    state_of,
+)
 from fczero.runtime import accumulation, guards, local_step
 from fczero.runtime.stages import refresh
 
@@ -62,6 +68,8 @@ def _states_of(optimizer: torch.optim.Optimizer) -> list[ParamState]:
         states = [ref() for ref in record.states]
         if None not in states:
             return states
+    if not (any_sharded(params) or guards.any_replaced(params)):
+        return []  # an optimizer of other params: cleared in one pass over its params' ids
     guards.check_optimizer(optimizer, params)
     states = [s for s in map(state_of, params) if s is not None]
     if states:  # an optimizer of other params gets no fczero attribute

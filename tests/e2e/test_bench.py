@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import subprocess
@@ -93,14 +94,19 @@ def test_cuda_graph_arms_compare_with_the_cuda_graph_floor() -> None:
     }  # fmt: skip
 
 
-def test_host_cost_smoke_run(tmp_path: Path) -> None:
-    """The host-cost bench on the fake process group: two sizes, every arm, ratios to plain."""
+def test_host_cost_smoke_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The host-cost bench on the fake process group: two sizes, every arm, ratios to plain;
+    every plain arm runs before the others (which install fczero's step hooks), and the
+    table keeps the order asked for."""
     from bench import host_cost
 
     arms = ",".join(host_cost.ARMS)  # the default sweep and FSDP2 eager
-    records = host_cost.run(
-        host_cost.parse_args(["--layers", "1,2", "--backend", "aot_eager", "--steps", "3", "--arms", arms])
-    )
+    with caplog.at_level(logging.INFO, logger="fczero.bench"):
+        records = host_cost.run(
+            host_cost.parse_args(["--layers", "1,2", "--backend", "aot_eager", "--steps", "3", "--arms", arms])
+        )
+    ran = [m.split(",")[0] for m in caplog.messages if "host ms/step" in m]
+    assert ran[:4] == ["plain-eager", "plain-compiled"] * 2 and "plain" not in "".join(ran[4:])
     assert [(r["layers"], r["arm"]) for r in records] == [
         (n, arm) for n in (1, 2) for arm in host_cost.ARMS
     ]
