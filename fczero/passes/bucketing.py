@@ -20,6 +20,12 @@ would. The choice reads shapes only, so it is the same on every rank.
 
 Reduces of one block become one reduce-scatter of the rank-major concatenation
 ``cat([g1.view(world, -1), g2.view(world, -1)], dim=1)``, split again after the wait.
+Under HSDP the all-reduces of the reduced shards over the replicate group are
+bucketed the same way: one all-reduce of ``cat([s1.view(-1), s2.view(-1)])``.
+Buckets are formed in program order from whole blocks (``matching.block_key``),
+packed while they fit in ``bucket_bytes``; a bucket under ``_MIN_BUCKET`` always takes
+the next block. All of it reads shapes and module paths only, so every rank forms
+the same buckets.
 
 [Note: one copy-in per bucket]
 Inductor writes a grad that one of its own kernels makes (a division by the world size,
@@ -31,12 +37,6 @@ matmuls with nothing pointwise after them (one rank: no division) is laid out by
 op, ``fczero::chunk_cat`` (``fczero.comm.flat``: ``torch._chunk_cat``, one kernel on
 CUDA), at the same bytes; any other keeps the ``cat``. The choice reads the graph's ops
 only, the same on every rank.
-Under HSDP the all-reduces of the reduced shards over the replicate group are
-bucketed the same way: one all-reduce of ``cat([s1.view(-1), s2.view(-1)])``.
-Buckets are formed in program order from whole blocks (``matching.block_key``),
-packed while they fit in ``bucket_bytes``; a bucket under ``_MIN_BUCKET`` always takes
-the next block. All of it reads shapes and module paths only, so every rank forms
-the same buckets.
 
 [Note: small ends]
 The first all-gather of a forward has nothing to overlap with, and neither has the last
@@ -200,7 +200,8 @@ def _merge_reduces(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None
             rows = []
             for c in bucket:
                 g = _contiguous(graph, fake_mode, c.input)
-                rows.append(insert(graph, fake_mode, aten.view.default, (g, [world, -1]), like=c.node))
+                row = insert(graph, fake_mode, aten.view.default, (g, [world, -1]), like=c.node)
+                rows.append(row)
             sizes = [r.meta["val"].shape[1] for r in rows]
             table = insert(graph, fake_mode, aten.cat.default, (rows, 1), like=last)
         flat = insert(graph, fake_mode, aten.view.default, (table, [-1]), like=last)

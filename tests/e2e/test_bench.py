@@ -102,9 +102,8 @@ def test_host_cost_smoke_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -
 
     arms = ",".join(host_cost.ARMS)  # the default sweep and FSDP2 eager
     with caplog.at_level(logging.INFO, logger="fczero.bench"):
-        records = host_cost.run(
-            host_cost.parse_args(["--layers", "1,2", "--backend", "aot_eager", "--steps", "3", "--arms", arms])
-        )
+        argv = ["--layers", "1,2", "--backend", "aot_eager", "--steps", "3", "--arms", arms]
+        records = host_cost.run(host_cost.parse_args(argv))
     ran = [m.split(",")[0] for m in caplog.messages if "host ms/step" in m]
     assert ran[:4] == ["plain-eager", "plain-compiled"] * 2 and "plain" not in "".join(ran[4:])
     assert [(r["layers"], r["arm"]) for r in records] == [
