@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 def _sweep(args: argparse.Namespace, mesh) -> list[dict]:
     device = torch.device(args.device)
     batches = [torch.randint(0, 64, (1, 17), device=device)]
-    records = []
+    done: dict[int, dict] = {}  # by position in the order asked for
     # every plain arm first: the first parallelize installs fczero's optimizer step hooks
     # for the whole process, and a plain optimizer's step would then pay for them too;
     # the table keeps the order asked for
@@ -117,12 +117,12 @@ def _sweep(args: argparse.Namespace, mesh) -> list[dict]:
             step(batches[0])
         phases = time_phases(step, batches, steps=args.steps, device=device)
         total = sum(phases[p]["host_ms"] for p in PHASES)
-        records.append({"arm": arm, "layers": layers, "params": n_params, "backend": args.backend,
-                        "device": args.device, "host_ms": total, "order": order,
+        done[order] = {"arm": arm, "layers": layers, "params": n_params, "backend": args.backend,
+                        "device": args.device, "host_ms": total,
                         **{p: phases[p]["host_ms"] for p in PHASES},
-                        **{f"{p}_gpu": phases[p].get("gpu_ms") for p in PHASES}})  # fmt: skip
+                        **{f"{p}_gpu": phases[p].get("gpu_ms") for p in PHASES}}  # fmt: skip
         logger.info("%s, %d blocks: %.2f host ms/step", arm, layers, total)
-    records.sort(key=lambda r: r["order"])
+    records = [done[i] for i in sorted(done)]
     for r in records:
         plain = "plain-" + r["arm"].split("-", 1)[1]
         base = next((b for b in records if b["layers"] == r["layers"] and b["arm"] == plain), None)

@@ -53,9 +53,10 @@ import logging
 import torch
 import torch.fx as fx
 
-from fczero.comm import flat  # noqa: F401 - registers torch.ops.fczero.chunk_cat
 from fczero.comm.buckets import Unit, plan_buckets
+from fczero.comm.flat import chunk_cat
 from fczero.comm.graph_ops import op_name
+from fczero.core.memory import storage_root
 from fczero.passes.graph_utils import (
     aten,
     c10d,
@@ -69,7 +70,7 @@ from fczero.passes.matching import Collective, find_gathers, find_reduces
 
 logger = logging.getLogger("fczero")
 
-_CHUNK_CAT = torch.ops.fczero.chunk_cat.default  # [Note: one copy-in per bucket]
+_CHUNK_CAT = chunk_cat._opoverload  # torch.ops.fczero.chunk_cat.default
 _MIN_BUCKET = 1 << 20  # 1 MiB: a lone norm weight is not worth its own collective
 
 
@@ -192,17 +193,15 @@ def _merge_reduces(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None
     last = max(bucket, key=lambda c: pos[c.node]).node  # every grad is ready here
     world, group = bucket[0].group_size, bucket[0].group_name
     with graph.inserting_before(last):
+        grads = [_contiguous(graph, fake_mode, c.input) for c in bucket]
+        sizes = [g.meta["val"].numel() // world for g in grads]  # each rank's part
         if _copied_in_one_op(bucket):  # [Note: one copy-in per bucket]
-            grads = [_contiguous(graph, fake_mode, c.input) for c in bucket]
-            sizes = [g.meta["val"].numel() // world for g in grads]
             table = insert(graph, fake_mode, _CHUNK_CAT, (grads, world), like=last)
         else:
-            rows = []
-            for c in bucket:
-                g = _contiguous(graph, fake_mode, c.input)
-                row = insert(graph, fake_mode, aten.view.default, (g, [world, -1]), like=c.node)
-                rows.append(row)
-            sizes = [r.meta["val"].shape[1] for r in rows]
+            rows = [
+                insert(graph, fake_mode, aten.view.default, (g, [world, -1]), like=c.node)
+                for g, c in zip(grads, bucket)
+            ]
             table = insert(graph, fake_mode, aten.cat.default, (rows, 1), like=last)
         flat = insert(graph, fake_mode, aten.view.default, (table, [-1]), like=last)
         rs = insert(
@@ -218,7 +217,6 @@ def _merge_reduces(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None
 
 #: Ops Inductor runs as extern kernels (cuBLAS, cuDNN), whose output it copies into a ``cat``.
 _EXTERN = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution_backward"})
-_REINTERPRETS = frozenset({"view", "_unsafe_view", "reshape", "t", "permute", "getitem", "alias"})
 
 
 def _copied_in_one_op(bucket: list[Collective]) -> bool:
@@ -232,10 +230,10 @@ def _copied_in_one_op(bucket: list[Collective]) -> bool:
 
 
 def _producer(node: fx.Node) -> fx.Node:
-    """The op that computed ``node``'s values (looking through views)."""
-    while node.op == "call_function" and op_name(node) in _REINTERPRETS:
-        node = node.args[0]
-    return node
+    """The op that computed ``node``'s values: its storage's (through views), and for one
+    output of several (``getitem``) the op that made them all."""
+    root = storage_root(node)
+    return root.args[0] if op_name(root) == "getitem" else root
 
 
 def _pointwise(node: fx.Node) -> bool:
