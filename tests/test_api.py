@@ -185,7 +185,7 @@ def _interleaved(rank: int, world_size: int) -> tuple[list[parity.Trace], list[b
     stepped as forward A, forward B, backward A, backward B: each forward's gathers must go
     through its own root's prefetch, and each backward regather through the reshard scope
     of its own forward. Also returns, per model, that its recorded gather order holds its
-    own params only."""
+    own params (their leaves) only."""
     mesh = init_device_mesh("cpu", (world_size,))
     torch.manual_seed(0)
     blocks = fczero.parallelize(
@@ -213,7 +213,8 @@ def _interleaved(rank: int, world_size: int) -> tuple[list[parity.Trace], list[b
     own = []
     for model in models:
         root = root_state(model)
-        params = {id(s.param) for s in root.params}
+        # (a gather records the param it differentiates: its leaf, or the param itself)
+        params = {id(t) for s in root.params for t in (s.param, s.leaf)}
         order = root.prefetch.order
         own.append(bool(order) and all(id(p) in params for _, p, _ in order))
     traces = [

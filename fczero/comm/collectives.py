@@ -111,14 +111,36 @@ def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return F.pad(t, [0, 0] * (t.dim() - 1) + [0, pad]) if pad > 0 else t
 
 
+def alone(group_size: int) -> bool:
+    """Whether a collective over ``group_size`` ranks is skipped here: one rank, in eager.
+
+    [Note: one rank communicates nothing in eager]
+    Over a group of one rank an all-gather, a reduce-scatter and an all-reduce each
+    return their input, yet each call still costs host time: the dispatcher, torch's
+    Python autograd kernel for the functional collectives, NCCL's launch and its flight
+    recorder (14-56 us a pair on one H100, docs/benchmarks.md), and the eager result is
+    an ``AsyncCollectiveTensor``. So in eager these functions return their (contiguous)
+    input, or a copy where the caller needs one, without a collective, as FSDP2 does at
+    world size 1. A traced graph keeps its collectives: the graph passes plan them the
+    same way at any world size, and at one rank the in-place pass makes each reduce an
+    all-reduce in place (docs/passes.md, pass 7).
+    """
+    return group_size == 1 and not _tracing()
+
+
 def all_gather(shard: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    """Concatenate every rank's ``shard`` along dim 0 (asynchronous in eager)."""
+    """Concatenate every rank's ``shard`` along dim 0 (asynchronous in eager; over one
+    rank in eager ``shard`` itself, contiguous: [Note: one rank communicates nothing in eager])."""
+    if alone(group_size):
+        return shard.contiguous()
     out = _c10d.all_gather_into_tensor(shard.contiguous(), group_size, group_name)
     return _async(out, group_name)
 
 
 def all_gather_waited(shard: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
     """Concatenate every rank's ``shard`` along dim 0, waited (a plain tensor)."""
+    if alone(group_size):
+        return shard.contiguous()
     out = _c10d.all_gather_into_tensor(shard.contiguous(), group_size, group_name)
     return _c10d.wait_tensor(out)
 
@@ -129,7 +151,10 @@ def wait(t: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_scatter_sum(full: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    """Sum ``full`` over ranks and keep this rank's dim-0 slice (waited)."""
+    """Sum ``full`` over ranks and keep this rank's dim-0 slice (waited; over one rank
+    in eager ``full`` itself, contiguous)."""
+    if alone(group_size):
+        return full.contiguous()
     out = _c10d.reduce_scatter_tensor(full.contiguous(), "sum", group_size, group_name)
     return _c10d.wait_tensor(out)
 
@@ -185,7 +210,8 @@ class _GatherShard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, group_size, group_name, param_dtype, reduce_dtype, replicate):  # type: ignore[override]
         ctx.meta = (group_size, group_name, reduce_dtype, shard.dtype, replicate)
-        return all_gather(_to(shard, param_dtype), group_size, group_name)
+        full = all_gather(_to(shard, param_dtype), group_size, group_name)
+        return full.clone() if full is shard else full  # (one rank, no cast: storage of its own)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]

@@ -2,9 +2,10 @@
 attribute (``_fczero``) through which a module, a model or an optimizer reaches it.
 
 - ``ParamState``: one sharded param: its ``ShardSpec``, its whole copy (stages 1/2), its
-  accumulated grads, its reused gather, its reduce route, and the plain leaf compiled
-  graphs differentiate. Every managed param has one (stage 3 too); the unsharded-param
-  property (``fczero.runtime.wiring``) reads it to decide how to gather.
+  accumulated grads, its reused gather, its reduce route, and the plain leaf that
+  compiled graphs and eager gathers differentiate. Every managed param has one (stage 3
+  too); the unsharded-param property (``fczero.runtime.wiring``) reads it to decide how
+  to gather.
 - ``ModuleState``: the ``_fczero`` attribute of every module that owns sharded params or
   is a parallelized root: its params' states by name, and for a root its ``RootState``.
 - ``RootState``: one parallelized root (options, params in order, sync flag, the eager
@@ -182,9 +183,10 @@ class ParamState:
     # then detaches through DTensor's dispatch once more. So compiled graphs read
     # ``leaf`` instead: a plain tensor that shares the local shard's storage and version
     # counter and requires grad. Its grad lands through ordinary AccumulateGrad, and
-    # one hook (``_grad_arrived``) hands it to the sharded param, wrapped as eager's grads
-    # are (``spec.sharded_grad``). The leaf is a static
-    # address for CUDA graphs, as a param would be. Eager keeps using the DTensor.
+    # one hook (``_grad_arrived``) hands it to the sharded param, wrapped with a copy of
+    # its spec (``spec.sharded_grad``). The leaf is a static
+    # address for CUDA graphs, as a param would be. Eager gathers use it too
+    # ([Note: eager grads land on the leaf too], ``differentiated``).
     def _new_leaf(self, param: torch.Tensor) -> torch.Tensor:
         if not isinstance(param, DTensor):
             return param
@@ -212,10 +214,29 @@ class ParamState:
         scope and log: ``fczero.runtime.prefetch.EagerContext``), or alone outside one
         (activation checkpointing's recompute in backward, a submodule called outside its
         root's forward)."""
+        param = self.differentiated(param)
         context = self.root.context
         if context is not None:
             return context.gather(spec, param)
         return collectives.settle(spec._gather(eager_local(param)))
+
+    def differentiated(self, param: torch.Tensor) -> torch.Tensor:
+        """What an eager gather of sharded ``param`` differentiates: the plain leaf, as
+        compiled graphs do, while both it and the param require grad; else the param.
+
+        [Note: eager grads land on the leaf too]
+        A grad that autograd accumulates into a DTensor param goes through DTensor's
+        dispatch once more (AccumulateGrad detaches it: one Python ``__torch_dispatch__``
+        per param per backward, the ``PythonSubclass`` rows of an eager profile). Through
+        the leaf the grad is a plain tensor, AccumulateGrad is C++ only, and the leaf's
+        hook (``_grad_arrived``) wraps it for the param with a copy of its spec
+        (``sharded_grad``), the path compiled graphs already take. A param frozen or
+        unfrozen after ``parallelize`` no longer matches its leaf's ``requires_grad``;
+        it is gathered through the DTensor as before."""
+        leaf = self.leaf
+        if param.requires_grad and leaf.requires_grad:
+            return leaf
+        return param
 
     def new_accumulator(self) -> None:
         """A leaf whose ``.grad`` collects this param's whole grads (reduce_dtype); the leaf

@@ -17,10 +17,14 @@ bucket works per bucket, never per member, wherever it can:
     hand-off:  the first member asked for waits for the collective and copies every
                member out of the gathered buffer into storage of its own (one
                split_with_sizes_copy), under one autograd node for the bucket whose
-               inputs are the members' sharded params (no node per member)
+               inputs are the members' leaves (or sharded params; no node per member)
     backward:  the members' grads laid out rank-major in the reduce dtype (one cat,
                or one _chunk_cat where rows need padding) -> divided in place -> one
                reduce_scatter_tensor (HSDP: then one all-reduce) -> each shard's rows
+
+Over one rank nothing is communicated: each member is its shard, cast, copied once
+([Note: a bucket of one rank]); the backward is the same grad layout, with no
+reduce-scatter.
 
 One wait, one copy-in, one copy-out and one grad layout per bucket: the number of
 kernels and Python calls per step follows the buckets, not the params. Autograd runs
@@ -102,18 +106,42 @@ def rank_major(
         torch._chunk_cat([g.contiguous() for g in grads], dim=0, num_chunks=world, out=out)
 
 
+def _copy_out(
+    gathered: torch.Tensor | list[torch.Tensor],
+    world: int,
+    layouts: tuple[FlatLayout, ...],
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """Every member's unsharded param in storage of its own: out of the gathered buffer,
+    or, over one rank, out of the shards themselves.
+
+    [Note: a bucket of one rank]
+    Over one rank in eager nothing is gathered ([Note: one rank communicates nothing in
+    eager]), and each shard is its whole param (no padding rows), so laying the shards end
+    to end and splitting them again would copy every byte twice: each shard is copied
+    once, cast to the gathered dtype, into storage of its own. That is one kernel per
+    member instead of two ops per bucket (a ``cat`` over the members and a
+    ``split_with_sizes_copy`` into a new buffer per member), and the bucket's gathered
+    bytes are written once instead of twice."""
+    if isinstance(gathered, list):
+        return [shard.to(dtype, copy=True) for shard in gathered]
+    return copy_out(gathered, world, layouts)
+
+
 class _BucketGather(torch.autograd.Function):
     """The autograd node of one bucket: the copy-out in forward (the all-gather ran
     before, outside autograd), the bucket's one reduce-scatter in backward. Its inputs
-    are the members' sharded params themselves, and its backward hands each one its
-    grad as a DTensor laid out like it (``sharded_grad``): one node for the bucket, not
-    one more per member to take each shard out of its DTensor."""
+    are what each member's gather differentiates (``ParamState.differentiated``: the
+    plain leaf, whose hook wraps the grad for the param, or the sharded param itself,
+    which gets its grad as a DTensor laid out like it, ``sharded_grad``): one node for
+    the bucket, not one more per member to take each shard out of its DTensor."""
 
     @staticmethod
     def forward(ctx, spec0: ShardSpec, layouts: tuple[FlatLayout, ...], gathered, *params):  # type: ignore[override]
         ctx.meta = (spec0, layouts)
         ctx.specs = tuple(p._spec if isinstance(p, DTensor) else None for p in params)
-        return tuple(copy_out(gathered, spec0.group_size, layouts))
+        dtype = spec0.param_dtype or params[0].dtype
+        return tuple(_copy_out(gathered, spec0.group_size, layouts, dtype))
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
@@ -150,26 +178,31 @@ class Bucket:
         self._params: list[torch.Tensor] | None = (
             [p for _, p in members] if differentiable else None
         )
-        dtype = self.spec0.param_dtype or members[0][1].dtype
-        gathered = collectives.all_gather(
-            copy_in(dtype, self.layouts, shards), self.spec0.group_size, self.spec0.group_name
-        )
-        # a plain tensor, waited once for the bucket ([Note: plain bucket slices])
-        self._gathered: torch.Tensor | None = (
-            gathered.elem if isinstance(gathered, AsyncCollectiveTensor) else gathered
-        )
+        self.dtype = self.spec0.param_dtype or members[0][1].dtype
+        self._gathered: torch.Tensor | None = None
+        self._shards: list[torch.Tensor] | None = None
+        if collectives.alone(self.spec0.group_size):
+            self._shards = shards  # copied out one by one ([Note: a bucket of one rank])
+        else:
+            gathered = collectives.all_gather(
+                copy_in(self.dtype, self.layouts, shards),
+                self.spec0.group_size,
+                self.spec0.group_name,
+            )
+            # a plain tensor, waited once for the bucket ([Note: plain bucket slices])
+            self._gathered = gathered.elem if isinstance(gathered, AsyncCollectiveTensor) else gathered
         self._members: list[torch.Tensor | None] | None = None
 
     def member(self, k: int) -> torch.Tensor:
         """The k-th member's unsharded param (waits for the bucket the first time)."""
         if self._members is None:
-            gathered = self.settle()
+            gathered = self.settle() if self._shards is None else self._shards
             if self._params is not None:
                 outs = _BucketGather.apply(self.spec0, self.layouts, gathered, *self._params)
             else:
                 with torch.no_grad():
-                    outs = copy_out(gathered, self.spec0.group_size, self.layouts)
-            self._members, self._gathered, self._params = list(outs), None, None
+                    outs = _copy_out(gathered, self.spec0.group_size, self.layouts, self.dtype)
+            self._members, self._gathered, self._shards, self._params = list(outs), None, None, None
         full, self._members[k] = self._members[k], None
         if full is None:
             raise RuntimeError(f"fczero: bucket member {k} was handed out twice (an internal error)")

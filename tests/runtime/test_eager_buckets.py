@@ -4,6 +4,8 @@ with numerics unchanged."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -235,24 +237,30 @@ def test_per_step_copies_and_waits_follow_buckets_not_params(fake_pg, blocks):
     assert c.get("clone", 0) == 0
 
 
-def test_a_bucket_is_one_autograd_node_over_the_sharded_params(fake_pg):
-    """The bucket's node takes the members' sharded params as its inputs: no node per
-    member between them (what ``_EagerLocal`` would add), and the grads that come back
-    are DTensors laid out like the params."""
+def _autograd_nodes(loss: torch.Tensor) -> list:
+    """Every node of ``loss``'s autograd graph, each once."""
+    nodes, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        nodes.append(node)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return nodes
+
+
+def test_a_bucket_is_one_autograd_node_over_its_members(fake_pg):
+    """The bucket's node takes the members' leaves as its inputs: no node per member
+    between them (what ``_EagerLocal`` would add), and the grads the params get are
+    DTensors laid out like them."""
     model = fczero.parallelize(
         ThreeBlocks(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(bucket_bytes=BLOCK + 16384)
     )
     x = torch.randn(4, 512)
     model(x).sum().backward()  # the first step records the order
     loss = model(x).sum()
-    names, seen, stack = [], set(), [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.append(type(node).__name__)
-        stack.extend(fn for fn, _ in node.next_functions)
+    names = [type(node).__name__ for node in _autograd_nodes(loss)]
     assert names.count("_BucketGatherBackward") == 3  # a bucket per block (head in blocks.2's)
     assert "_EagerLocalBackward" not in names
     loss.backward()
@@ -282,3 +290,90 @@ def test_rank_major_lays_out_grads_as_chunk_cat_would(world):
                 expected[rank, offset : offset + chunk.numel()] = chunk.float().reshape(-1)
                 offset += layout.numel
         assert torch.equal(out, expected)
+
+
+@pytest.fixture
+def gloo_one_rank():
+    """A real gloo group of one rank in this process (exact numerics against the plain model)."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_one_rank_eager_issues_no_collective(gloo_one_rank, bf16):
+    """[Note: one rank communicates nothing in eager] and [Note: a bucket of one rank]:
+    over one rank an eager step (first, recording, and bucketed after it; forward,
+    backward regathers and reduces) issues no collective, and its grads are the plain
+    model's: in fp32, and with bf16 params and fp32 reduces against the plain model cast
+    to bf16 (each member copied once, cast, from its shard)."""
+    torch.manual_seed(0)
+    ref = ThreeBlocks()
+    mp = fczero.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = fczero.parallelize(
+        copy.deepcopy(ref),
+        init_device_mesh("cpu", (1,)),
+        comm_policy=fczero.CommPolicy(bucket_bytes=BLOCK + 16384),
+        mp_policy=mp if bf16 else None,
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(4, 512)
+        with CollectiveLog() as log:
+            model(x).sum().backward()
+        assert log.ops == []
+        if bf16:
+            low = copy.deepcopy(ref).bfloat16()
+            low(x.bfloat16()).sum().backward()
+            expected = [p.grad.float() for p in low.parameters()]
+        else:
+            ref(x).sum().backward()
+            expected = [p.grad for p in ref.parameters()]
+        for (name, p), want in zip(model.named_parameters(), expected):
+            assert isinstance(p.grad, torch.distributed.tensor.DTensor), name
+            torch.testing.assert_close(p.grad.full_tensor(), want, rtol=0, atol=0, msg=name)
+        if bf16:  # the plain model steps on the grads fczero reduced (the same values)
+            for p, want in zip(ref.parameters(), expected):
+                p.grad = want.clone()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+
+
+def test_eager_grads_land_on_the_leaves(gloo_one_rank):
+    """[Note: eager grads land on the leaf too]: a bucket's autograd node takes each
+    member's plain leaf, so AccumulateGrad never sees a DTensor; each param still gets a
+    DTensor grad of its spec (accumulated over two backwards). A param frozen after
+    ``parallelize`` is gathered through the DTensor and gets no grad."""
+    torch.manual_seed(0)
+    ref = ThreeBlocks()
+    model = fczero.parallelize(
+        copy.deepcopy(ref),
+        init_device_mesh("cpu", (1,)),
+        comm_policy=fczero.CommPolicy(bucket_bytes=BLOCK + 16384),
+    )
+    dict(model.named_parameters())["blocks.1.bias"].requires_grad_(False)  # the sharded param
+    ref.blocks[1].bias.requires_grad_(False)
+    x = torch.randn(4, 512)
+    model(x).sum().backward()  # records the order
+    model.zero_grad(set_to_none=True)
+    loss = model(x).sum()
+    variables = [node.variable for node in _autograd_nodes(loss) if hasattr(node, "variable")]
+    states = root_state(model).params
+    leaves = {id(s.leaf) for s in states if s.param.requires_grad}
+    assert variables and all(id(v) in leaves for v in variables)
+    assert not any(isinstance(v, torch.distributed.tensor.DTensor) for v in variables)
+    loss.backward()
+    model(x).sum().backward()  # a second backward without zero_grad accumulates
+    for _ in range(2):
+        ref(x).sum().backward()
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        if not p.requires_grad:
+            assert p.grad is None, name
+            continue
+        assert isinstance(p.grad, torch.distributed.tensor.DTensor), name
+        assert p.grad.placements == p.placements
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad, rtol=1e-6, atol=1e-6)
+    assert all(s.leaf.grad is None for s in states)  # handed over, not kept twice
