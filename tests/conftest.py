@@ -1,5 +1,5 @@
-"""Shared fixtures: a fake process group for graph tests, Dynamo reset between tests, pinned
-memory that cannot be allocated."""
+"""Shared fixtures: a fake process group for graph tests, a real gloo group of one rank,
+Dynamo reset between tests, pinned memory that cannot be allocated."""
 
 from __future__ import annotations
 
@@ -25,6 +25,15 @@ def fake_pg(request):
     world_size = getattr(request, "param", 2)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     yield world_size
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def gloo_one_rank():
+    """A real gloo group of one rank, in this process: collectives (or their absence over
+    one rank) are exact, so numerics are checked against the plain model."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
     dist.destroy_process_group()
 
 

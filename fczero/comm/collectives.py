@@ -115,15 +115,17 @@ def alone(group_size: int) -> bool:
     """Whether a collective over ``group_size`` ranks is skipped here: one rank, in eager.
 
     [Note: one rank communicates nothing in eager]
-    Over a group of one rank an all-gather, a reduce-scatter and an all-reduce each
-    return their input, yet each call still costs host time: the dispatcher, torch's
-    Python autograd kernel for the functional collectives, NCCL's launch and its flight
-    recorder (14-56 us a pair on one H100, docs/benchmarks.md), and the eager result is
-    an ``AsyncCollectiveTensor``. So in eager these functions return their (contiguous)
-    input, or a copy where the caller needs one, without a collective, as FSDP2 does at
-    world size 1. A traced graph keeps its collectives: the graph passes plan them the
-    same way at any world size, and at one rank the in-place pass makes each reduce an
-    all-reduce in place (docs/passes.md, pass 7).
+    Over a group of one rank an all-gather and a reduce-scatter each return their input,
+    yet each call still costs host time: the dispatcher, torch's Python autograd kernel
+    for the functional collectives, NCCL's launch and its flight recorder (14-56 us a
+    pair on one H100, docs/benchmarks.md), and the eager result is an
+    ``AsyncCollectiveTensor``. So in eager ``all_gather``, ``all_gather_waited`` and
+    ``reduce_scatter_sum`` return their (contiguous) input without a collective, as FSDP2
+    does at world size 1; ``_GatherShard`` copies it where it would alias the shard. The
+    all-reduces, which know only their group's name (stage 1's reducer, 0-d params, HSDP's
+    replicas), are still issued. A traced graph keeps its collectives: the graph passes
+    plan them the same way at any world size, and at one rank the in-place pass makes
+    each reduce an all-reduce in place (docs/passes.md, pass 7).
     """
     return group_size == 1 and not _tracing()
 

@@ -137,10 +137,9 @@ class _BucketGather(torch.autograd.Function):
     the bucket, not one more per member to take each shard out of its DTensor."""
 
     @staticmethod
-    def forward(ctx, spec0: ShardSpec, layouts: tuple[FlatLayout, ...], gathered, *params):  # type: ignore[override]
+    def forward(ctx, spec0: ShardSpec, layouts: tuple[FlatLayout, ...], dtype, gathered, *params):  # type: ignore[override]
         ctx.meta = (spec0, layouts)
         ctx.specs = tuple(p._spec if isinstance(p, DTensor) else None for p in params)
-        dtype = spec0.param_dtype or params[0].dtype
         return tuple(_copy_out(gathered, spec0.group_size, layouts, dtype))
 
     @staticmethod
@@ -162,7 +161,7 @@ class _BucketGather(torch.autograd.Function):
             piece = piece.view(layout.rows_per_rank, *layout.row_shape)[: layout.local_rows]
             piece = collectives._to(piece, layout.shard_dtype)
             out.append(sharded_grad(piece, spec) if spec is not None else piece)
-        return (None, None, None, *out)
+        return (None, None, None, None, *out)
 
 
 class Bucket:
@@ -198,7 +197,9 @@ class Bucket:
         if self._members is None:
             gathered = self.settle() if self._shards is None else self._shards
             if self._params is not None:
-                outs = _BucketGather.apply(self.spec0, self.layouts, gathered, *self._params)
+                outs = _BucketGather.apply(
+                    self.spec0, self.layouts, self.dtype, gathered, *self._params
+                )
             else:
                 with torch.no_grad():
                     outs = _copy_out(gathered, self.spec0.group_size, self.layouts, self.dtype)

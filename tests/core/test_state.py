@@ -12,7 +12,6 @@ import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch._dynamo.backends.debugging import aot_eager
 from torch.distributed.device_mesh import init_device_mesh
@@ -75,15 +74,6 @@ def test_an_optimizer_of_other_params_gets_no_attribute(fake_pg):
     other(torch.randn(2, 3)).sum().backward()
     opt.step()
     assert _fczero_names(opt) == set()
-
-
-@pytest.fixture
-def gloo_one_rank():
-    """A real gloo group of one rank, in this process: collectives are copies, so numerics
-    are exact against the plain model."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_compiled_graphs_differentiate_plain_leaves_not_dtensors(gloo_one_rank):

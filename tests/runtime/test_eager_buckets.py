@@ -292,14 +292,6 @@ def test_rank_major_lays_out_grads_as_chunk_cat_would(world):
         assert torch.equal(out, expected)
 
 
-@pytest.fixture
-def gloo_one_rank():
-    """A real gloo group of one rank in this process (exact numerics against the plain model)."""
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
-
-
 @pytest.mark.parametrize("bf16", [False, True])
 def test_one_rank_eager_issues_no_collective(gloo_one_rank, bf16):
     """[Note: one rank communicates nothing in eager] and [Note: a bucket of one rank]:
