@@ -38,7 +38,8 @@ eager reshard hooks (``fczero.runtime.resharding``) key on.
 Backward's regathers of saved params are bucketed the same way (``regather_bucket``,
 no autograd): ``plan`` cuts the list of saved params, in the order first saved, and a
 regather issues its member's whole bucket; the first member that backward unpacks
-copies them all out. These buckets exist from the first step on.
+copies them all out. These buckets exist from the first step on, and are planned again
+only when the saved list changes (``fczero.runtime.resharding.RegatherPlans``).
 """
 
 from __future__ import annotations
@@ -86,6 +87,17 @@ def plan(entries: list[tuple[ShardSpec, torch.Tensor, bool]], bucket_bytes: int)
         for spec, param, in_place in entries
     ]
     return [b for b in plan_items(items, bucket_bytes) if len(b) > 1]
+
+
+def issue_bytes(sizes: list[int], bucket_of: dict[int, list[int]]) -> list[int]:
+    """Per position, the unsharded bytes that issuing it puts in flight: its whole
+    bucket's when it has one (so a prefetch window looks each up once, not per member)."""
+    total = list(sizes)
+    for bucket in {id(b): b for b in bucket_of.values()}.values():
+        nbytes = sum(sizes[i] for i in bucket)
+        for i in bucket:
+            total[i] = nbytes
+    return total
 
 
 def rank_major(

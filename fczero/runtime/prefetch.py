@@ -68,6 +68,10 @@ class EagerPrefetch:
         self.order: list[Recorded] | None = None
         self.sizes: list[int] = []  # unsharded bytes of each recorded gather
         self.bucket_of: dict[int, list[int]] = {}  # position -> its bucket (positions)
+        # position -> unsharded bytes that issuing it issues (its whole bucket's, if any)
+        self.issue_bytes: list[int] = []
+        # the regather buckets of backward, kept from one reshard scope to the next
+        self.regather_plans = resharding.RegatherPlans()
         self._seen: list[Recorded] = []
         self._ready: dict[int, torch.Tensor | _Member] = {}  # issued ahead, not handed over
         self._cursor = 0
@@ -122,15 +126,14 @@ class EagerPrefetch:
 
     def _issue_ahead(self, n: int, context: EagerContext) -> None:
         """Issue the gathers after the n-th while they fit in the window (at least one)."""
-        sizes = self.sizes
+        issue_bytes = self.issue_bytes
         ahead = self._ahead  # what _ready holds: every position in it is after n
         j = max(self._issued, n + 1)
         while j < len(self.order):
             if self.order[j][2] or j in self._ready:  # in place; or issued with its bucket
                 j += 1
                 continue
-            members = self.bucket_of.get(j, [j])
-            size = sum(sizes[i] for i in members)
+            size = issue_bytes[j]
             if not eager_buckets.fits(ahead, size, self.window):
                 break
             j = self._issue(j, context)
@@ -146,6 +149,7 @@ class EagerPrefetch:
                 buckets = eager_buckets.plan(self.order, self.bucket_bytes)
                 self.bucket_of = {i: bucket for bucket in buckets for i in bucket}
                 self.sizes = [spec.unsharded_bytes(param) for spec, param, _ in self.order]
+                self.issue_bytes = eager_buckets.issue_bytes(self.sizes, self.bucket_of)
         for ready in self._ready.values():
             if isinstance(ready, _Member):
                 ready.bucket.settle()
@@ -155,8 +159,11 @@ class EagerPrefetch:
 
 
 def _in_selective_checkpoint() -> bool:
-    """True inside the forward of a selective activation-checkpointing region."""
-    return _SAC_FORWARD_MODE is not None and any(
+    """True inside the forward of a selective activation-checkpointing region (the
+    dispatch-mode stack is read only when it is not empty, as it is in most forwards)."""
+    if _SAC_FORWARD_MODE is None or not torch._C._len_torch_dispatch_stack():
+        return False
+    return any(
         isinstance(mode, _SAC_FORWARD_MODE) for mode in _get_current_dispatch_mode_stack()
     )
 
@@ -260,7 +267,10 @@ def enter_forward(root: RootState) -> None:
     if opened:
         scope = None
         if root.options.selective_unsharding:  # stages 1/2 gather nothing
-            scope = resharding.ReshardScope(root.prefetch.window, root.prefetch.bucket_bytes)
+            prefetch = root.prefetch
+            scope = resharding.ReshardScope(
+                prefetch.window, prefetch.bucket_bytes, prefetch.regather_plans
+            )
         context = EagerContext(root, root.prefetch, scope, root.eager_log)
     logs = not opened and context.log is None and root.eager_log is not None
     if logs:  # checked, inside a forward that is not: log the gathers from here on

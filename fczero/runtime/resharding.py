@@ -93,12 +93,16 @@ class ReshardScope:
     and unpack become the innermost saved-tensor hooks) and ``close``s it when the forward
     ends; the recipes packed meanwhile keep it alive until backward has unpacked them."""
 
-    def __init__(self, window: int = 0, bucket_bytes: int = 0) -> None:
+    def __init__(
+        self, window: int = 0, bucket_bytes: int = 0, plans: RegatherPlans | None = None
+    ) -> None:
         self.owner: Any = None  # what opened it, while it is open (an ``EagerContext``)
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self.window = window  # unsharded bytes of backward regathers issued ahead
         self.bucket_bytes = bucket_bytes  # regather buckets (with a window only)
+        self.plans = plans if plans is not None else RegatherPlans()
         self.bucket_of: dict[int, list[int]] = {}  # saved position -> its bucket
+        self.issue_bytes: list[int] = []  # saved position -> bytes its regather issues
         self._planned = -1  # len(saved) when bucket_of was planned
         self.live: dict[int, _Gathered] = {}
         self.regathered: dict[int, weakref.ref[torch.Tensor]] = {}
@@ -133,6 +137,9 @@ class ReshardScope:
         )
 
     def pack(self, t: torch.Tensor) -> Any:
+        if type(t) is torch.Tensor:  # most saved tensors: activations, unsharded params
+            entry = self.live.get(t.untyped_storage()._cdata)
+            return t if entry is None else self._recipe(entry, t) or t
         if isinstance(t, DTensor):
             local = self.pack(t._local_tensor)
             if not isinstance(local, _Recipe):
@@ -141,10 +148,14 @@ class ReshardScope:
         inner = t.elem if isinstance(t, AsyncCollectiveTensor) else t
         if not self.live or type(inner) not in (torch.Tensor, torch.nn.Parameter):
             return t  # nothing gathered yet, or a subclass that is not an unsharded param
-        storage = inner.untyped_storage()
-        entry = self.live.get(storage._cdata)
-        if entry is None or entry.storage.expired():
-            return t
+        entry = self.live.get(inner.untyped_storage()._cdata)
+        return t if entry is None else self._recipe(entry, inner) or t
+
+    def _recipe(self, entry: _Gathered, inner: torch.Tensor) -> _Recipe | None:
+        """The recipe of ``inner``, a view of the unsharded param ``entry`` recorded, if its
+        storage is still that one (a freed storage's address may be reused; else None)."""
+        if entry.storage.expired():
+            return None
         if id(entry) not in self.position:
             self.position[id(entry)] = len(self.saved)
             self.saved.append(entry)
@@ -152,7 +163,11 @@ class ReshardScope:
         return _Recipe(entry, inner.size(), inner.stride(), inner.storage_offset())
 
     def unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, _DTensorRecipe):
+        kind = type(packed)
+        if kind is _Recipe:
+            full = self._regathered(packed.gathered)
+            return full.as_strided(packed.size, packed.stride, packed.offset)
+        if kind is _DTensorRecipe:
             return DTensor.from_local(
                 self.unpack(packed.local),
                 packed.mesh,
@@ -161,10 +176,7 @@ class ReshardScope:
                 shape=packed.shape,
                 stride=packed.stride,
             )
-        if not isinstance(packed, _Recipe):
-            return packed
-        full = self._regathered(packed.gathered)
-        return full.as_strided(packed.size, packed.stride, packed.offset)
+        return packed
 
     def _regathered(self, entry: _Gathered) -> torch.Tensor:
         """The unsharded param again: alive from an earlier unpack, prefetched, or issued
@@ -192,9 +204,8 @@ class ReshardScope:
         """Regather buckets over the saved list (planned again if it grew)."""
         if self._planned != len(self.saved):
             self._planned = len(self.saved)
-            entries = [(e.spec, e.param, False) for e in self.saved]
-            plan = eager_buckets.plan(entries, self.bucket_bytes) if self.window > 0 else []
-            self.bucket_of = {i: bucket for bucket in plan for i in bucket}
+            if self.window > 0:
+                self.bucket_of, self.issue_bytes = self.plans.plan(self.saved, self.bucket_bytes)
         return self.bucket_of
 
     def _issue(self, position: int) -> torch.Tensor | _Piece:
@@ -245,12 +256,11 @@ class ReshardScope:
                 i for i, e in enumerate(self.saved) if id(e) not in self.issued
             ]
         ahead = self.ahead_bytes
-        buckets = self._buckets()
+        self._buckets()  # (planned, with each position's issue bytes)
         k = bisect.bisect_left(self._unissued, position) - 1
         while k >= 0:
             i = self._unissued[k]
-            members = buckets.get(i, [i])
-            size = sum(self.saved[j].nbytes for j in members)
+            size = self.issue_bytes[i]
             if not eager_buckets.fits(ahead, size, self.window):
                 break
             self._hold(self.saved[i], self._issue(i))  # (drops i and its bucket from the list)
@@ -264,6 +274,38 @@ class ReshardScope:
             _settle(pending)
         self.ahead, self.ahead_bytes, self.issued, self.draining = {}, 0, set(), False
         self._unissued = None
+
+
+class RegatherPlans:
+    """A root's regather buckets, kept from one backward to the next.
+
+    Each forward makes a new ``ReshardScope``, but a training loop saves the same params
+    in the same order every step, so the plan over the saved list (``eager_buckets.plan``,
+    and each position's issue bytes) is made again only when that list changed: the
+    params and their specs, by identity, in order. Only the last plan is kept."""
+
+    def __init__(self) -> None:
+        self._key: tuple = ()
+        self._bucket_bytes = -1
+        self._plan: tuple[dict[int, list[int]], list[int]] = ({}, [])
+
+    def plan(
+        self, saved: list[_Gathered], bucket_bytes: int
+    ) -> tuple[dict[int, list[int]], list[int]]:
+        """(saved position -> its bucket, saved position -> bytes its regather issues)."""
+        key = tuple(x for e in saved for x in (e.param, e.spec))
+        old = self._key
+        if (
+            bucket_bytes != self._bucket_bytes
+            or len(old) != len(key)
+            or any(a is not b for a, b in zip(old, key))
+        ):
+            entries = [(e.spec, e.param, False) for e in saved]
+            bucket_of = {i: b for b in eager_buckets.plan(entries, bucket_bytes) for i in b}
+            self._key, self._bucket_bytes = key, bucket_bytes
+            sizes = [e.nbytes for e in saved]
+            self._plan = (bucket_of, eager_buckets.issue_bytes(sizes, bucket_of))
+        return self._plan
 
 
 def _settle(pending: torch.Tensor | _Piece) -> None:

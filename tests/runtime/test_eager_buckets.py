@@ -369,3 +369,9 @@ def test_eager_grads_land_on_the_leaves(gloo_one_rank):
         assert p.grad.placements == p.placements
         torch.testing.assert_close(p.grad.full_tensor(), r.grad, rtol=1e-6, atol=1e-6)
     assert all(s.leaf.grad is None for s in states)  # handed over, not kept twice
+
+
+def test_issue_bytes_counts_a_whole_bucket_at_each_member():
+    bucket = [1, 2]
+    assert eager_buckets.issue_bytes([1, 2, 3, 4], {1: bucket, 2: bucket}) == [1, 5, 5, 4]
+    assert eager_buckets.issue_bytes([7], {}) == [7]

@@ -152,3 +152,24 @@ def test_per_step_bookkeeping_grows_with_params_not_their_square(fake_pg, monkey
         model(tokens).float().sum().backward()
         per_param.append(len(calls) / len(list(model.parameters())))
     assert per_param[1] <= per_param[0] * 1.25, per_param  # flat in the number of params
+
+
+def test_a_repeated_step_plans_no_buckets(fake_pg, monkeypatch):
+    """The forward's buckets are planned when the gather order is recorded, and the
+    backward's regather buckets when the saved list changes (``RegatherPlans``): a step
+    that repeats the last one plans nothing, and one that saves other params plans again."""
+    from fczero.runtime import eager_buckets
+
+    plans = []
+    plan = eager_buckets.plan
+    monkeypatch.setattr(eager_buckets, "plan", lambda *a: plans.append(1) or plan(*a))
+    policy = fczero.CommPolicy(bucket_bytes=PER_BLOCK)
+    model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), comm_policy=policy)
+    x = torch.randn(4, 512)
+    for _ in range(2):
+        model(x).sum().backward()
+    plans.clear()
+    model(x).sum().backward()
+    assert plans == []
+    model(x.requires_grad_()).sum().backward()  # blocks.0 now saves its weight too
+    assert len(plans) == 1
