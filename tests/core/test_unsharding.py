@@ -267,6 +267,23 @@ def test_auto_plans_after_the_second_step_from_the_headroom(fake_pg, monkeypatch
     assert "2 blocks kept unsharded" in caplog.text
 
 
+def test_one_rank_counts_the_regathers_eager_makes(gloo_one_rank, monkeypatch):
+    """Over one rank eager issues no all-gather, so counting collectives sees no regather;
+    the regathers fczero makes are counted instead (as the one-GPU test does), and they
+    follow the automatic plan as at two ranks."""
+    _fake_peak(monkeypatch, HEAD + BLOCK + 100)
+    counts = []
+    for eager_regathers in (False, True):
+        model = fczero.parallelize(
+            ThreeBlocks(),
+            init_device_mesh("cpu", (1,)),
+            comm_policy=fczero.CommPolicy(keep_unsharded="auto", prefetch=0),
+            memory_budget=AUTO_BUDGET,
+        )
+        counts.append(_sgd_steps(model, model, 4, eager_regathers)[0])
+    assert counts == [[0, 0, 0, 0], [4, 4, 2, 2]]
+
+
 def test_auto_recompiles_once_with_the_kept_params(fake_pg, monkeypatch):
     _fake_peak(monkeypatch, HEAD + BLOCK)
     model = fczero.parallelize(
