@@ -89,6 +89,16 @@ def plan(entries: list[tuple[ShardSpec, torch.Tensor, bool]], bucket_bytes: int)
     return [b for b in plan_items(items, bucket_bytes) if len(b) > 1]
 
 
+def positions(
+    entries: list[tuple[ShardSpec, torch.Tensor, bool]], bucket_bytes: int, sizes: list[int]
+) -> tuple[dict[int, list[int]], list[int]]:
+    """``plan`` as the prefetch windows read it: each position's bucket (positions in
+    none are absent), and the bytes that issuing each position puts in flight (``sizes``:
+    each entry's unsharded bytes)."""
+    bucket_of = {i: bucket for bucket in plan(entries, bucket_bytes) for i in bucket}
+    return bucket_of, issue_bytes(sizes, bucket_of)
+
+
 def issue_bytes(sizes: list[int], bucket_of: dict[int, list[int]]) -> list[int]:
     """Per position, the unsharded bytes that issuing it puts in flight: its whole
     bucket's when it has one (so a prefetch window looks each up once, not per member)."""

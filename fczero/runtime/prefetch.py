@@ -71,7 +71,7 @@ class EagerPrefetch:
         # position -> unsharded bytes that issuing it issues (its whole bucket's, if any)
         self.issue_bytes: list[int] = []
         # the regather buckets of backward, kept from one reshard scope to the next
-        self.regather_plans = resharding.RegatherPlans()
+        self.regather_plans = resharding.RegatherPlans(bucket_bytes)
         self._seen: list[Recorded] = []
         self._ready: dict[int, torch.Tensor | _Member] = {}  # issued ahead, not handed over
         self._cursor = 0
@@ -146,10 +146,10 @@ class EagerPrefetch:
             replayed = self._replaying and self._cursor == len(self.order)  # the same params
             self.order = self._seen
             if not replayed:  # a new order, or one that ended early: plan its buckets
-                buckets = eager_buckets.plan(self.order, self.bucket_bytes)
-                self.bucket_of = {i: bucket for bucket in buckets for i in bucket}
                 self.sizes = [spec.unsharded_bytes(param) for spec, param, _ in self.order]
-                self.issue_bytes = eager_buckets.issue_bytes(self.sizes, self.bucket_of)
+                self.bucket_of, self.issue_bytes = eager_buckets.positions(
+                    self.order, self.bucket_bytes, self.sizes
+                )
         for ready in self._ready.values():
             if isinstance(ready, _Member):
                 ready.bucket.settle()
@@ -267,10 +267,7 @@ def enter_forward(root: RootState) -> None:
     if opened:
         scope = None
         if root.options.selective_unsharding:  # stages 1/2 gather nothing
-            prefetch = root.prefetch
-            scope = resharding.ReshardScope(
-                prefetch.window, prefetch.bucket_bytes, prefetch.regather_plans
-            )
+            scope = resharding.ReshardScope(root.prefetch.window, root.prefetch.regather_plans)
         context = EagerContext(root, root.prefetch, scope, root.eager_log)
     logs = not opened and context.log is None and root.eager_log is not None
     if logs:  # checked, inside a forward that is not: log the gathers from here on

@@ -93,17 +93,15 @@ class ReshardScope:
     and unpack become the innermost saved-tensor hooks) and ``close``s it when the forward
     ends; the recipes packed meanwhile keep it alive until backward has unpacked them."""
 
-    def __init__(
-        self, window: int = 0, bucket_bytes: int = 0, plans: RegatherPlans | None = None
-    ) -> None:
+    def __init__(self, window: int = 0, plans: RegatherPlans | None = None) -> None:
         self.owner: Any = None  # what opened it, while it is open (an ``EagerContext``)
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self.window = window  # unsharded bytes of backward regathers issued ahead
-        self.bucket_bytes = bucket_bytes  # regather buckets (with a window only)
-        self.plans = plans if plans is not None else RegatherPlans()
-        self.bucket_of: dict[int, list[int]] = {}  # saved position -> its bucket
-        self.issue_bytes: list[int] = []  # saved position -> bytes its regather issues
-        self._planned = -1  # len(saved) when bucket_of was planned
+        # the root's regather buckets (with a window only; none without a root's)
+        self.plans = plans if plans is not None else RegatherPlans(0)
+        # (saved position -> its bucket, saved position -> bytes its regather issues)
+        self._plan: tuple[dict[int, list[int]], list[int]] = ({}, [])
+        self._planned = -1  # len(saved) when _plan was made
         self.live: dict[int, _Gathered] = {}
         self.regathered: dict[int, weakref.ref[torch.Tensor]] = {}
         self.saved: list[_Gathered] = []  # packed params, in the order first saved
@@ -137,17 +135,16 @@ class ReshardScope:
         )
 
     def pack(self, t: torch.Tensor) -> Any:
-        if type(t) is torch.Tensor:  # most saved tensors: activations, unsharded params
-            entry = self.live.get(t.untyped_storage()._cdata)
-            return t if entry is None else self._recipe(entry, t) or t
-        if isinstance(t, DTensor):
-            local = self.pack(t._local_tensor)
-            if not isinstance(local, _Recipe):
-                return t
-            return _DTensorRecipe(local, t.device_mesh, t.placements, t.shape, t.stride())
-        inner = t.elem if isinstance(t, AsyncCollectiveTensor) else t
-        if not self.live or type(inner) not in (torch.Tensor, torch.nn.Parameter):
-            return t  # nothing gathered yet, or a subclass that is not an unsharded param
+        inner = t
+        if type(t) is not torch.Tensor:  # (most saved tensors are: activations, params)
+            if isinstance(t, DTensor):
+                local = self.pack(t._local_tensor)
+                if not isinstance(local, _Recipe):
+                    return t
+                return _DTensorRecipe(local, t.device_mesh, t.placements, t.shape, t.stride())
+            inner = t.elem if isinstance(t, AsyncCollectiveTensor) else t
+            if type(inner) not in (torch.Tensor, torch.nn.Parameter):
+                return t  # a subclass that is not an unsharded param
         entry = self.live.get(inner.untyped_storage()._cdata)
         return t if entry is None else self._recipe(entry, inner) or t
 
@@ -200,19 +197,19 @@ class ReshardScope:
             return pending.bucket.member(pending.index)
         return collectives.settle(pending)
 
-    def _buckets(self) -> dict[int, list[int]]:
-        """Regather buckets over the saved list (planned again if it grew)."""
-        if self._planned != len(self.saved):
+    def _buckets(self) -> tuple[dict[int, list[int]], list[int]]:
+        """Regather buckets over the saved list (looked up again if it grew): each saved
+        position's bucket, and the bytes its regather issues."""
+        if self._planned != len(self.saved) and self.window > 0:
             self._planned = len(self.saved)
-            if self.window > 0:
-                self.bucket_of, self.issue_bytes = self.plans.plan(self.saved, self.bucket_bytes)
-        return self.bucket_of
+            self._plan = self.plans.plan(self.saved)
+        return self._plan
 
     def _issue(self, position: int) -> torch.Tensor | _Piece:
         """Regather the param saved at ``position``, or its whole bucket (the other
         members then wait in ``ahead``); returns that param's pending regather."""
         entry = self.saved[position]
-        bucket = self._buckets().get(position)
+        bucket = self._buckets()[0].get(position)
         if bucket is None:
             self._mark_issued(entry)
             return entry.spec.regather(entry.param)
@@ -256,11 +253,11 @@ class ReshardScope:
                 i for i, e in enumerate(self.saved) if id(e) not in self.issued
             ]
         ahead = self.ahead_bytes
-        self._buckets()  # (planned, with each position's issue bytes)
+        issue_bytes = self._buckets()[1]
         k = bisect.bisect_left(self._unissued, position) - 1
         while k >= 0:
             i = self._unissued[k]
-            size = self.issue_bytes[i]
+            size = issue_bytes[i]
             if not eager_buckets.fits(ahead, size, self.window):
                 break
             self._hold(self.saved[i], self._issue(i))  # (drops i and its bucket from the list)
@@ -284,27 +281,20 @@ class RegatherPlans:
     and each position's issue bytes) is made again only when that list changed: the
     params and their specs, by identity, in order. Only the last plan is kept."""
 
-    def __init__(self) -> None:
+    def __init__(self, bucket_bytes: int) -> None:
+        self.bucket_bytes = bucket_bytes
         self._key: tuple = ()
-        self._bucket_bytes = -1
         self._plan: tuple[dict[int, list[int]], list[int]] = ({}, [])
 
-    def plan(
-        self, saved: list[_Gathered], bucket_bytes: int
-    ) -> tuple[dict[int, list[int]], list[int]]:
+    def plan(self, saved: list[_Gathered]) -> tuple[dict[int, list[int]], list[int]]:
         """(saved position -> its bucket, saved position -> bytes its regather issues)."""
         key = tuple(x for e in saved for x in (e.param, e.spec))
         old = self._key
-        if (
-            bucket_bytes != self._bucket_bytes
-            or len(old) != len(key)
-            or any(a is not b for a, b in zip(old, key))
-        ):
+        if len(old) != len(key) or any(a is not b for a, b in zip(old, key)):
             entries = [(e.spec, e.param, False) for e in saved]
-            bucket_of = {i: b for b in eager_buckets.plan(entries, bucket_bytes) for i in b}
-            self._key, self._bucket_bytes = key, bucket_bytes
             sizes = [e.nbytes for e in saved]
-            self._plan = (bucket_of, eager_buckets.issue_bytes(sizes, bucket_of))
+            self._key = key
+            self._plan = eager_buckets.positions(entries, self.bucket_bytes, sizes)
         return self._plan
 
 
