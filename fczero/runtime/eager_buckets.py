@@ -22,9 +22,9 @@ bucket works per bucket, never per member, wherever it can:
                or one _chunk_cat where rows need padding) -> divided in place -> one
                reduce_scatter_tensor (HSDP: then one all-reduce) -> each shard's rows
 
-Over one rank nothing is communicated: each member is its shard, cast, copied once
-([Note: a bucket of one rank]); the backward is the same grad layout, with no
-reduce-scatter.
+Over one rank nothing is communicated ([Note: a bucket of one rank]): each member is its
+shard, cast, copied once, and in backward each grad is cast once to the reduce dtype, into
+storage of its own (no flat buffer to lay out and split again).
 
 One wait, one copy-in, one copy-out and one grad layout per bucket: the number of
 kernels and Python calls per step follows the buckets, not the params. Autograd runs
@@ -144,7 +144,9 @@ def _copy_out(
     once, cast to the gathered dtype, into storage of its own. That is one kernel per
     member instead of two ops per bucket (a ``cat`` over the members and a
     ``split_with_sizes_copy`` into a new buffer per member), and the bucket's gathered
-    bytes are written once instead of twice."""
+    bytes are written once instead of twice. Backward mirrors it (``_own_grads``): each
+    grad is cast to the reduce dtype once, where the flat layout cost a ``cat`` and, per
+    member, a view to lay it out and a slice and a view to take it out again."""
     if isinstance(gathered, list):
         return [shard.to(dtype, copy=True) for shard in gathered]
     return copy_out(gathered, world, layouts)
@@ -168,22 +170,50 @@ class _BucketGather(torch.autograd.Function):
     def backward(ctx, *grads):  # type: ignore[override]
         spec0, layouts = ctx.meta
         world, replicate = spec0.group_size, spec0.replicate
-        flat = grads[0].new_empty(
-            (world, sum(layout.numel for layout in layouts)),
-            dtype=spec0.reduce_dtype or grads[0].dtype,
-        )
-        rank_major(grads, layouts, world, flat)
-        collectives.average_(flat, world, replicate)
-        reduced = collectives.reduce_scatter_sum(flat.view(-1), world, spec0.group_name)
-        reduced = collectives._over_replicas(reduced, replicate)
-        out, offset = [], 0
-        for layout, spec in zip(layouts, ctx.specs):
-            piece = reduced[offset : offset + layout.numel]
-            offset += layout.numel
-            piece = piece.view(layout.rows_per_rank, *layout.row_shape)[: layout.local_rows]
-            piece = collectives._to(piece, layout.shard_dtype)
-            out.append(sharded_grad(piece, spec) if spec is not None else piece)
+        reduce_dtype = spec0.reduce_dtype or grads[0].dtype
+        if collectives.alone(world) and replicate is None:
+            pieces = _own_grads(grads, layouts, reduce_dtype)
+        else:
+            flat = grads[0].new_empty(
+                (world, sum(layout.numel for layout in layouts)), dtype=reduce_dtype
+            )
+            rank_major(grads, layouts, world, flat)
+            collectives.average_(flat, world, replicate)
+            reduced = collectives.reduce_scatter_sum(flat.view(-1), world, spec0.group_name)
+            reduced = collectives._over_replicas(reduced, replicate)
+            pieces = _shard_rows(reduced, layouts)
+        out = [
+            sharded_grad(piece, spec) if spec is not None else piece
+            for piece, spec in zip(pieces, ctx.specs)
+        ]
         return (None, None, None, None, *out)
+
+
+def _own_grads(
+    grads: tuple[torch.Tensor, ...], layouts: tuple[FlatLayout, ...], reduce_dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """Over one rank (no replicas) each member's grad is its shard's: cast to the reduce
+    dtype into storage of its own, then to the shard's dtype (one op per member when the
+    two dtypes agree, as they do by default; [Note: a bucket of one rank]). The copy is
+    made even where no cast is needed: autograd may hand one tensor to several outputs
+    (the grads of ``a + b``, or the caller's own grad tensor), and no two params, nor the
+    caller, may share a grad that an optimizer or a clip then changes in place."""
+    return [
+        collectives._to(grad.to(reduce_dtype, copy=True), layout.shard_dtype)
+        for grad, layout in zip(grads, layouts)
+    ]
+
+
+def _shard_rows(reduced: torch.Tensor, layouts: tuple[FlatLayout, ...]) -> list[torch.Tensor]:
+    """Each member's rows of this rank's reduced flat shard, in its shard's dtype: one
+    split for the bucket, a view per member, a slice only where padding rows follow."""
+    pieces = []
+    for piece, layout in zip(reduced.split([layout.numel for layout in layouts]), layouts):
+        piece = piece.view(layout.rows_per_rank, *layout.row_shape)
+        if layout.local_rows != layout.rows_per_rank:
+            piece = piece[: layout.local_rows]
+        pieces.append(collectives._to(piece, layout.shard_dtype))
+    return pieces
 
 
 class Bucket:

@@ -72,7 +72,8 @@ class EagerPrefetch:
         self.issue_bytes: list[int] = []
         # the regather buckets of backward, kept from one reshard scope to the next
         self.regather_plans = resharding.RegatherPlans(bucket_bytes)
-        self._seen: list[Recorded] = []
+        # this forward's gathers where they part from ``order`` (None while they follow it)
+        self._seen: list[Recorded] | None = None
         self._ready: dict[int, torch.Tensor | _Member] = {}  # issued ahead, not handed over
         self._cursor = 0
         self._issued = 0
@@ -80,14 +81,15 @@ class EagerPrefetch:
         self._replaying = False
 
     def start(self) -> None:
-        self._seen, self._ready, self._cursor, self._issued, self._ahead = [], {}, 0, 0, 0
+        self._seen = None if self.order is not None else []
+        self._ready, self._cursor, self._issued, self._ahead = {}, 0, 0, 0
         self._replaying = self.order is not None and self.window > 0
 
     def gather(self, spec: ShardSpec, param: torch.Tensor, context: EagerContext) -> torch.Tensor:
         n = self._cursor
         self._cursor += 1
         in_place = _in_selective_checkpoint()
-        self._seen.append((spec, param, in_place))
+        self._record(n, spec, param, in_place)
         if in_place or not self._replaying:
             return context.gather_now(spec, param)
         if n >= len(self.order) or self.order[n][1] is not param:
@@ -109,6 +111,19 @@ class EagerPrefetch:
                 full = ready
         self._issue_ahead(n, context)
         return full
+
+    def _record(self, n: int, spec: ShardSpec, param: torch.Tensor, in_place: bool) -> None:
+        """Note the n-th gather. A forward that repeats the recorded order builds nothing
+        (no tuple per gather per step for the garbage collector to track); the first gather
+        that differs starts a new order, from a copy of what came before it."""
+        if self._seen is None:
+            order = self.order
+            if n < len(order):
+                was_spec, was_param, was_in_place = order[n]
+                if was_param is param and was_spec is spec and was_in_place == in_place:
+                    return
+            self._seen = order[:n]
+        self._seen.append((spec, param, in_place))
 
     def _issue(self, j: int, context: EagerContext) -> int:
         """Issue the j-th gather, or its whole bucket; returns the next position after it."""
@@ -142,20 +157,19 @@ class EagerPrefetch:
 
     def finish(self) -> None:
         """End of forward: keep the order seen; wait for (and drop) unused prefetches."""
-        if self._cursor:
-            replayed = self._replaying and self._cursor == len(self.order)  # the same params
-            self.order = self._seen
-            if not replayed:  # a new order, or one that ended early: plan its buckets
-                self.sizes = [spec.unsharded_bytes(param) for spec, param, _ in self.order]
-                self.bucket_of, self.issue_bytes = eager_buckets.positions(
-                    self.order, self.bucket_bytes, self.sizes
-                )
+        if self._cursor and (self._seen is not None or self._cursor < len(self.order)):
+            # a new order, or one that ended early: keep it and plan its buckets
+            self.order = self._seen if self._seen is not None else self.order[: self._cursor]
+            self.sizes = [spec.unsharded_bytes(param) for spec, param, _ in self.order]
+            self.bucket_of, self.issue_bytes = eager_buckets.positions(
+                self.order, self.bucket_bytes, self.sizes
+            )
         for ready in self._ready.values():
             if isinstance(ready, _Member):
                 ready.bucket.settle()
             else:
                 collectives.settle(ready)
-        self._ready, self._seen, self._replaying = {}, [], False
+        self._ready, self._seen, self._replaying = {}, None, False
 
 
 def _in_selective_checkpoint() -> bool:

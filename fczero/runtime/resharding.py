@@ -145,7 +145,10 @@ class ReshardScope:
             inner = t.elem if isinstance(t, AsyncCollectiveTensor) else t
             if type(inner) not in (torch.Tensor, torch.nn.Parameter):
                 return t  # a subclass that is not an unsharded param
-        entry = self.live.get(inner.untyped_storage()._cdata)
+        # the storage's address, read without making a Python storage object: one would
+        # live (tracked by the garbage collector) as long as the storage, for every tensor
+        # saved in forward, most of them activations
+        entry = self.live.get(torch._C._storage_id(inner))
         return t if entry is None else self._recipe(entry, inner) or t
 
     def _recipe(self, entry: _Gathered, inner: torch.Tensor) -> _Recipe | None:

@@ -187,6 +187,51 @@ def _bucket_vs_single_grads(rank: int, world: int) -> bool:
     return ok
 
 
+def _one_rank_bucket(mp: fczero.MixedPrecisionPolicy | None) -> tuple[list, list[torch.Tensor]]:
+    """Two 5 x 5 weights and a bias of one model over one rank, issued as one bucket:
+    ``(members, their unsharded params)``."""
+    model = torch.nn.Sequential(torch.nn.Linear(5, 5, bias=False), torch.nn.Linear(5, 5))
+    fczero.parallelize(model, init_device_mesh("cpu", (1,)), mp_policy=mp)
+    members = [
+        (state.spec, sub._parameters[name])
+        for sub in model
+        for name, state in module_state(sub).params.items()
+    ]
+    bucket = eager_buckets.gather_bucket(members)
+    return members, [bucket.member(k) for k in range(len(members))]
+
+
+def test_one_rank_bucket_backward_casts_each_grad_once(gloo_one_rank):
+    """[Note: a bucket of one rank], backward: with nothing to reduce, the bucket's backward
+    is one cast per member (bf16 grads to the fp32 reduce dtype, which is the shards'),
+    with no flat buffer laid out and split again (a ``cat``, then a slice and a view per
+    member), and each shard gets its grad exactly."""
+    mp = fczero.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    members, fulls = _one_rank_bucket(mp)
+    g = torch.Generator().manual_seed(0)
+    upstream = [torch.randn(f.shape, generator=g).bfloat16() for f in fulls]
+    with _OpCount() as ops:
+        grads = torch.autograd.grad(fulls, [p for _, p in members], upstream)
+    assert ops.counts == {"_to_copy": len(members)}
+    for grad, want, (_, param) in zip(grads, upstream, members):
+        assert grad.dtype == torch.float32 and grad.placements == param.placements
+        assert torch.equal(grad.to_local(), want.float())
+
+
+def test_one_rank_bucket_grads_never_share_storage(gloo_one_rank):
+    """Autograd may hand one tensor to several outputs (the grads of ``a + b``); over one
+    rank, where nothing copies grads into a reduce buffer, each param still gets a grad
+    of its own, also when no cast is needed."""
+    members, fulls = _one_rank_bucket(None)
+    upstream = torch.ones(5, 5)  # contiguous: AddBackward hands this one tensor to both
+    (fulls[0] + fulls[1]).backward(upstream)
+    g0, g1 = (p.grad.to_local() for _, p in members[:2])
+    assert torch.equal(g0, upstream) and torch.equal(g1, upstream)
+    assert len({g0.data_ptr(), g1.data_ptr(), upstream.data_ptr()}) == 3
+    g0.add_(1)  # (what an in-place clip or optimizer does to one grad)
+    assert torch.equal(g1, upstream)
+
+
 class _OpCount(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts every op dispatched below autograd, by name."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -173,3 +174,37 @@ def test_a_repeated_step_plans_no_buckets(fake_pg, monkeypatch):
     assert plans == []
     model(x.requires_grad_()).sum().backward()  # blocks.0 now saves its weight too
     assert len(plans) == 1
+
+
+def test_a_repeated_order_is_kept_and_a_changed_one_recorded(fake_pg):
+    """A forward that gathers the recorded params in the recorded order, with the same
+    specs, keeps the recorded list itself (it builds no entry per gather); one whose
+    gathers differ records its own order: a param gathered with another spec (as the
+    automatic keep plan gives it), or a forward that ends early."""
+    import dataclasses
+
+    model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(bucket_bytes=PER_BLOCK))
+    prefetch = fczero.core.state.root_state(model).prefetch
+    x = torch.randn(4, 512)
+    model(x).sum().backward()
+    order = prefetch.order
+    assert len(order) == 7
+    for _ in range(2):
+        model(x).sum().backward()
+        assert prefetch.order is order
+    state = fczero.core.state.module_state(model.blocks[1]).params["weight"]
+    state.spec = dataclasses.replace(state.spec, keep_unsharded=True)
+    model(x).sum().backward()
+    assert prefetch.order is not order and len(prefetch.order) == 7
+    assert [spec for spec, _, _ in prefetch.order][2] is state.spec
+    assert all(a[1] is b[1] for a, b in zip(order, prefetch.order))
+    recorded = prefetch.order
+
+    def stop(*_):
+        raise RuntimeError("stop")
+
+    handle = model.blocks[1].register_forward_pre_hook(stop)
+    with pytest.raises(RuntimeError, match="stop"):
+        model(x)  # blocks.0's two gathers, then the forward ends
+    handle.remove()
+    assert prefetch.order == recorded[:2]

@@ -69,3 +69,27 @@ def _gloo_gather_state(rank: int, world_size: int) -> tuple[bool, int]:
 def test_gloo_waits_for_each_eager_collective_when_issued():
     """[Note: one gloo collective in flight]: on gloo nothing is left in flight."""
     assert run_on_ranks(_gloo_gather_state, 2) == [(False, 0), (False, 0)]
+
+
+def test_packing_makes_no_python_storage_per_saved_tensor(fake_pg):
+    """The pack hook looks a saved tensor's storage up by its address
+    (``torch._C._storage_id``) and makes no Python storage object for it: such an object
+    would live as long as the storage, one more for the garbage collector to track per
+    saved tensor per step (most of them activations)."""
+    import gc
+
+    model = fczero.parallelize(
+        torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(6))),
+        init_device_mesh("cpu", (2,)),
+    )
+    x = torch.randn(3, 8, requires_grad=True)
+    model(x).sum().backward()  # (the first step records the gather order)
+
+    def storages() -> int:
+        gc.collect()
+        return sum(type(o) is torch.UntypedStorage for o in gc.get_objects())
+
+    before = storages()
+    out = model(x)  # saves each block's input, its tanh output and its weight, until backward
+    assert storages() - before <= 1
+    out.sum().backward()
