@@ -170,7 +170,7 @@ class _BucketGather(torch.autograd.Function):
     def backward(ctx, *grads):  # type: ignore[override]
         spec0, layouts = ctx.meta
         world, replicate = spec0.group_size, spec0.replicate
-        reduce_dtype = spec0.reduce_dtype or grads[0].dtype
+        reduce_dtype = collectives._reduce_dtype_of(grads[0], spec0.reduce_dtype)
         if collectives.alone(world) and replicate is None:
             pieces = _own_grads(grads, layouts, reduce_dtype)
         else:

@@ -92,11 +92,11 @@ class EagerPrefetch:
         self._record(n, spec, param, in_place)
         if in_place or not self._replaying:
             return context.gather_now(spec, param)
-        if n >= len(self.order) or self.order[n][1] is not param:
+        if self._seen is not None:  # (``_record``: this forward left the order by gather n)
             logger.info(
                 "fczero: gather order changed at gather %d; eager prefetch off this step", n
             )
-            self._replaying = False  # what was prefetched belongs to other params: never use it
+            self._replaying = False  # what was prefetched belongs to other gathers: never use it
             return context.gather_now(spec, param)
         if n in self.bucket_of and n not in self._ready:
             self._issue(n, context)  # the first member of a bucket not issued yet
