@@ -331,6 +331,7 @@ def _install_passes(
         replicate_group=replicate.get_group().group_name if replicate is not None else None,
         activation_offload=options.offload.activations,
         offload_min_bytes=options.offload.activation_min_bytes,
+        param_offload=options.offload.params and mesh_device(mesh).type != "cpu",
         param_itemsize=options.mp.param_dtype.itemsize if options.mp.param_dtype else None,
         check_timeout_s=options.check.timeout_s if options.check is not None else None,
         rank=mesh.get_local_rank(),

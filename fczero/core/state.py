@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from fczero.comm import collectives
 from fczero.comm.consistency import EagerLog
 from fczero.comm.reducer import Reducer, Route
+from fczero.core.cuda_graphs import keep_first_grad_out_of_pool
 from fczero.core.spec import eager_local, sharded_grad
 from fczero.core.weak_ids import WeakIds
 
@@ -183,7 +184,7 @@ class ParamState:
     # then detaches through DTensor's dispatch once more. So compiled graphs read
     # ``leaf`` instead: a plain tensor that shares the local shard's storage and version
     # counter and requires grad. Its grad lands through ordinary AccumulateGrad, and
-    # one hook (``_grad_arrived``) hands it to the sharded param, wrapped with a copy of
+    # one hook (``_grad_arrived``) hands it to the sharded param, wrapped with
     # its spec (``spec.sharded_grad``). The leaf is a static
     # address for CUDA graphs, as a param would be. Eager gathers use it too
     # ([Note: eager grads land on the leaf too], ``differentiated``).
@@ -229,7 +230,7 @@ class ParamState:
         dispatch once more (AccumulateGrad detaches it: one Python ``__torch_dispatch__``
         per param per backward, the ``PythonSubclass`` rows of an eager profile). Through
         the leaf the grad is a plain tensor, AccumulateGrad is C++ only, and the leaf's
-        hook (``_grad_arrived``) wraps it for the param with a copy of its spec
+        hook (``_grad_arrived``) wraps it for the param with its spec
         (``sharded_grad``), the path compiled graphs already take. A param frozen or
         unfrozen after ``parallelize`` no longer matches its leaf's ``requires_grad``;
         it is gathered through the DTensor as before."""
@@ -247,6 +248,7 @@ class ParamState:
         device = self.spec.compute_device or self.param.device  # (param offload: the device's)
         one = torch.zeros((), dtype=route.reduce_dtype, device=device)
         self.acc = one.expand(self.spec.shape).detach().requires_grad_(True)
+        keep_first_grad_out_of_pool(self.acc)  # (CUDA graphs would free it between micro-batches)
 
 
 def _grad_arrived(state: weakref.ref, leaf: torch.Tensor) -> None:

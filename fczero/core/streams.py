@@ -112,7 +112,15 @@ def pending_count() -> int:
         return len(_pending)
 
 
-@torch.library.custom_op("fczero::grad_to_host", mutates_args=())
+#: Tags of fczero's ops that copy on a side stream or into host memory: CUDA graphs cannot
+#: capture them, and Inductor keeps ops tagged so out of what it captures ([Note: offload
+#: under CUDA graphs] in ``fczero.offload.partition``). (A torch without the tag: none.)
+UNCAPTURABLE: tuple = (
+    (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+)
+
+
+@torch.library.custom_op("fczero::grad_to_host", mutates_args=(), tags=UNCAPTURABLE)
 def grad_to_host(grad: torch.Tensor) -> torch.Tensor:
     """``grad`` copied into a new host buffer, pinned when possible (pageable after one
     warning otherwise, never an error mid-step). The copy is synchronous: autograd

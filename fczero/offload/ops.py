@@ -23,8 +23,9 @@ after which every later kernel is ordered behind the copy. To read ``host`` on t
 synchronize the stream after ``offload_wait``. A reload from a host tensor whose
 offload is still in flight waits for it on the side stream, so the pair offload ->
 reload needs no ``offload_wait`` for the host data's sake. On the CPU both copies are plain synchronous copies and the
-waits do nothing. Under CUDA graphs the pending-copy table is not replayed: keep
-these ops out of graphs that are captured.
+waits do nothing. Under CUDA graphs the pending-copy table is not replayed, so the
+four ops are tagged ``cudagraph_unsafe`` (``streams.UNCAPTURABLE``): Inductor keeps them
+out of what it captures ([Note: offload under CUDA graphs] in ``fczero.offload.partition``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from fczero.core import streams
 __all__ = ["offload", "offload_wait", "reload", "reload_wait"]
 
 
-@torch.library.custom_op("fczero::offload", mutates_args=())
+@torch.library.custom_op("fczero::offload", mutates_args=(), tags=streams.UNCAPTURABLE)
 def offload(src: torch.Tensor) -> torch.Tensor:
     """Copy ``src`` into a new host tensor (pinned when possible); on CUDA, asynchronously."""
     if src.device.type != "cuda":
@@ -67,7 +68,7 @@ def _offload_setup(ctx, inputs, output) -> None:
 offload.register_autograd(_offload_backward, setup_context=_offload_setup)
 
 
-@torch.library.custom_op("fczero::offload_wait", mutates_args=("host",))
+@torch.library.custom_op("fczero::offload_wait", mutates_args=("host",), tags=streams.UNCAPTURABLE)
 def offload_wait(host: torch.Tensor, src: torch.Tensor) -> None:
     """Make the current stream wait for the offload of ``src`` into ``host`` (the host does
     not wait). ``src`` is an input so that a compiler keeps it alive, and does not reuse
@@ -82,7 +83,7 @@ def _(host: torch.Tensor, src: torch.Tensor) -> None:
     return None
 
 
-@torch.library.custom_op("fczero::reload", mutates_args=())
+@torch.library.custom_op("fczero::reload", mutates_args=(), tags=streams.UNCAPTURABLE)
 def reload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Copy ``host`` into a new tensor on ``device``; on CUDA, asynchronously on the side stream."""
     device = torch.device(device)
@@ -120,7 +121,7 @@ def _reload_setup(ctx, inputs, output) -> None:
 reload.register_autograd(_reload_backward, setup_context=_reload_setup)
 
 
-@torch.library.custom_op("fczero::reload_wait", mutates_args=("dest",))
+@torch.library.custom_op("fczero::reload_wait", mutates_args=("dest",), tags=streams.UNCAPTURABLE)
 def reload_wait(dest: torch.Tensor) -> None:
     """Make the current stream wait for the reload into ``dest`` (the host does not wait)."""
     event = streams.take(dest)

@@ -43,6 +43,8 @@ def partition(gm: fx.GraphModule, joint_inputs, *, base=None, **kwargs):
         budget=settings.memory_budget,
     )
     settings.plans.append(plan)  # (a later parallelize on the group starts a new list)
+    if inductor_config.triton.cudagraphs:  # torch.compile(mode="reduce-overhead")
+        _warn_uncapturable(settings, plan)
     if plan.offloaded and plan.device_type == "cpu" and "activations-cpu" not in settings.warned:
         settings.warned.add("activations-cpu")
         streams.warn(
@@ -50,6 +52,36 @@ def partition(gm: fx.GraphModule, joint_inputs, *, base=None, **kwargs):
             "buffers (the graph runs as with offload) and no memory is saved."
         )
     return fw, bw
+
+
+# [Note: offload under CUDA graphs]
+# A CUDA graph replays kernels, not Python: offload's copies run on a side stream that a
+# Python table of events orders (``fczero.core.streams``) or copy grads into host memory,
+# and capturing them fails ("capturing stream has unjoined work", "operation not permitted
+# when stream is capturing": one H100, torch 2.11, before these ops were tagged). So the
+# ops are tagged ``cudagraph_unsafe`` (``streams.UNCAPTURABLE``): Inductor then runs them
+# outside the graphs it captures, splitting a graph around them (graph partitioning, its
+# default; seen on the H100), or, with partitioning off, captures none of that graph (as
+# Inductor's code reads; not run). Either way the step
+# is slower than a fully captured one, so fczero says so once, as a warning, when it
+# partitions a graph that holds them with CUDA graphs asked for. Which graphs do is known
+# here: the activation plan (on a GPU) and the group's parameter offload.
+def _warn_uncapturable(settings: registry.PassSettings, plan) -> None:
+    features = []
+    if plan.offloaded and plan.device_type == "cuda":
+        features.append("activation offload (OffloadPolicy.activations)")
+    if settings.param_offload:
+        features.append("parameter offload (OffloadPolicy.params)")
+    if not features or "cuda-graphs" in settings.warned:
+        return
+    settings.warned.add("cuda-graphs")
+    streams.warn(
+        f"fczero: torch.compile(mode='reduce-overhead') cannot capture {' and '.join(features)}: "
+        "its copies run on a side stream or into host memory, so Inductor runs them outside "
+        "the CUDA graphs and captures the rest of each graph around them (offloading as "
+        "asked). For whole graphs under CUDA graphs, turn the offload off "
+        '(docs/troubleshooting.md, "Offload under CUDA graphs").'
+    )
 
 
 try:  # torch 2.11 and 2.13 both have it; guard anyway for clear failure

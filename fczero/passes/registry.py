@@ -28,6 +28,8 @@ class PassSettings:
     replicate_groups: frozenset[str] = frozenset()  # HSDP: grads are all-reduced over these
     activation_offload: str = "off"
     offload_min_bytes: int = 0
+    # the group's sharded params live in host memory (OffloadPolicy.params, on a GPU mesh)
+    param_offload: bool = False
     # bytes of an element of param_dtype: reduces are sized at it (None: their own dtype)
     param_itemsize: int | None = None
     # check_policy: seconds to wait for the other ranks' graphs (None: graphs unchecked)
@@ -56,6 +58,7 @@ def register(
     replicate_group: str | None = None,
     activation_offload: str = "off",
     offload_min_bytes: int = 0,
+    param_offload: bool = False,
     param_itemsize: int | None = None,
     check_timeout_s: float | None = None,
     rank: int = 0,
@@ -70,6 +73,7 @@ def register(
         replicate_groups=frozenset({replicate_group}) if replicate_group else frozenset(),
         activation_offload=activation_offload,
         offload_min_bytes=offload_min_bytes,
+        param_offload=param_offload,
         param_itemsize=param_itemsize,
         check_timeout_s=check_timeout_s,
         rank=rank,

@@ -98,6 +98,8 @@ def _same_layout(t: torch.Tensor, param: DTensor) -> bool:
     if not isinstance(t, DTensor):
         return False
     ts, ps = t._spec, param._spec
+    if ts is ps:  # a grad fczero wrapped (``spec.sharded_grad`` shares the param's spec)
+        return True
     return ts.mesh is ps.mesh and (ts.placements is ps.placements or ts.placements == ps.placements)
 
 

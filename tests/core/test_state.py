@@ -101,6 +101,7 @@ def test_compiled_graphs_differentiate_plain_leaves_not_dtensors(gloo_one_rank):
             assert p.grad is None
             continue
         assert isinstance(p.grad, DTensor), name
+        assert p.grad._spec is p._spec  # the param's own spec: no object per grad per step
         assert p.grad.placements == p.placements and p.grad.shape == p.shape
         assert p.grad.dtype == p.dtype and p.grad._local_tensor.is_contiguous()
         torch.testing.assert_close(p.grad.full_tensor(), r.grad, rtol=1e-6, atol=1e-7)

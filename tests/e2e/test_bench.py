@@ -117,6 +117,31 @@ def test_host_cost_smoke_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -
     assert "| 2 | 17 | fczero-compiled |" in host_cost.markdown(records)
 
 
+def test_host_cost_rounds_time_the_arms_in_turns(monkeypatch) -> None:
+    """``--rounds``: every arm of a size is built first, then each round times every arm
+    once, in the order plain arms first; each phase is the median of the rounds'."""
+    from bench import host_cost
+
+    calls: list[object] = []
+    timings = iter(range(1, 100))
+
+    def fake_phases(step, batches, *, steps, device):
+        calls.append(step)
+        t = float(next(timings))
+        return {p: {"host_ms": t} for p in host_cost.PHASES}
+
+    monkeypatch.setattr(host_cost, "time_phases", fake_phases)
+    argv = ["--layers", "1", "--backend", "aot_eager", "--warmup", "1", "--rounds", "3"]
+    records = host_cost.run(host_cost.parse_args(argv + ["--arms", "fczero-eager,plain-eager"]))
+    first_round = calls[:2]
+    assert len(set(map(id, first_round))) == 2 and calls == first_round * 3  # in turns
+    assert [r["arm"] for r in records] == ["fczero-eager", "plain-eager"]  # the order asked
+    plain, fczero = records[1], records[0]
+    # plain ran first in each round (timings 1, 3, 5), fczero second (2, 4, 6): medians
+    assert plain["forward"] == 3.0 and fczero["forward"] == 4.0
+    assert fczero["x_plain"] == pytest.approx(4.0 / 3.0) and fczero["rounds"] == 3
+
+
 def _record(arm: str, **kw: object) -> dict:
     base = {
         "arm": arm, "label": ARMS[arm].label, "regime": "M", "status": "ok", "batch": 1,

@@ -1,0 +1,74 @@
+"""CUDA graphs (``torch.compile(mode="reduce-overhead")``): what fczero needs to know of them.
+
+[Note: a grad kept across CUDA-graph runs]
+Under CUDA graphs (Inductor's CUDA graph trees) the outputs of a compiled graph live in a
+memory pool that the graphs share. When the next forward starts a new run of the graphs
+(a new step, or the next micro-batch), the trees free every output of the previous run
+that is still alive, and reading one afterwards raises "accessing tensor output of
+CUDAGraphs that has been overwritten by a subsequent run". Autograd keeps such an output
+on purpose: the first grad a leaf gets becomes its ``.grad`` (AccumulateGrad takes the
+tensor itself instead of copying it). A param's grad is read by the optimizer before the
+next forward, so that is harmless. An accumulator (``ParamState.acc``, gradient
+accumulation under ``fczero.no_sync``) keeps its grad across micro-batches, and the next
+micro-batch's backward adds to it after the trees freed it: the error, raised in that
+backward (one H100, torch 2.11, stages 1 to 3).
+
+So an accumulator on a CUDA device copies its first grad out of the pool, once per
+accumulation, when CUDA graph trees have run on that device (``trees_in_use``); every
+later micro-batch adds into that copy in place, as AccumulateGrad does for an existing
+``.grad``. Without CUDA graphs nothing is copied. (Preallocating a zero ``.grad``, which
+torch's own message suggests for params, costs a fill and an add where the copy costs
+one read and one write.)
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+_TREES = "torch._inductor.cudagraph_trees"
+
+
+def trees_in_use(device: torch.device) -> bool:
+    """Whether Inductor's CUDA graph trees have run on ``device`` (so a tensor there may
+    live in their pool). Cheap: False at once off CUDA, or when they were never imported."""
+    if device.type != "cuda":
+        return False
+    trees = sys.modules.get(_TREES)
+    if trees is None:  # nothing compiled with CUDA graphs in this process
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        return trees.get_manager(index, create_if_none_exists=False) is not None
+    except (AssertionError, AttributeError, KeyError):
+        # the trees keep their managers in thread-local state that autograd's threads
+        # inherit; a thread without it (or another torch's layout) cannot tell: copy
+        return True
+
+
+def keep_first_grad_out_of_pool(accumulator: torch.Tensor) -> None:
+    """Give ``accumulator`` (a leaf whose ``.grad`` sums micro-batches) a hook that copies
+    its first grad out of the CUDA graphs' pool ([Note: a grad kept across CUDA-graph
+    runs]); only on CUDA, where the pool exists."""
+    if accumulator.device.type == "cuda":
+        accumulator.register_post_accumulate_grad_hook(_OwnFirstGrad())
+
+
+class _OwnFirstGrad:
+    """The hook: on its first call, replace a ``.grad`` that may live in the pool by a copy
+    in ordinary memory; later calls find the copy, which AccumulateGrad added to in place.
+    It holds no reference to the leaf (the leaf holds the hook)."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def __call__(self, leaf: torch.Tensor) -> None:
+        if self.done:
+            return
+        self.done = True
+        grad = leaf.grad
+        if grad is not None and trees_in_use(grad.device):
+            leaf.grad = grad.clone()

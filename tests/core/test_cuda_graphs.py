@@ -1,0 +1,99 @@
+"""fczero/core/cuda_graphs.py: an accumulator's first grad leaves the CUDA graphs' pool.
+
+The CUDA side (gradient accumulation under ``mode="reduce-overhead"`` against a single
+process) is ``tests/runtime/test_accumulation.py::test_nccl_accumulation_matches_one_large_batch``;
+here the hook's own logic on the CPU, with the pool check stood in for."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from fczero.core import cuda_graphs
+from fczero.core.cuda_graphs import _OwnFirstGrad, keep_first_grad_out_of_pool, trees_in_use
+
+
+def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
+    """What backward does to a leaf: AccumulateGrad, then its post-accumulate hooks."""
+    (leaf * grad).sum().backward()
+
+
+@pytest.mark.parametrize("in_pool", [True, False])
+def test_the_first_grad_is_copied_only_where_the_pool_may_hold_it(monkeypatch, in_pool):
+    monkeypatch.setattr(cuda_graphs, "trees_in_use", lambda device: in_pool)
+    leaf = torch.zeros(3).expand(2, 3).detach().requires_grad_(True)  # as ParamState.acc
+    produced = []  # what AccumulateGrad put on the leaf (hooks run in registration order)
+    leaf.register_post_accumulate_grad_hook(lambda t: produced.append(t.grad))
+    leaf.register_post_accumulate_grad_hook(_OwnFirstGrad())
+    first = torch.arange(6.0).view(2, 3)
+    _accumulate(leaf, first)
+    kept = leaf.grad
+    assert torch.equal(kept, first)
+    assert (kept is not produced[0]) is in_pool  # a copy only where the pool may hold it
+    second = torch.ones(2, 3)
+    _accumulate(leaf, second)
+    assert leaf.grad is kept  # later micro-batches add in place, and are never copied
+    assert torch.equal(leaf.grad, first + second)
+
+
+def test_a_copied_grad_shares_no_storage_with_what_backward_produced(monkeypatch):
+    monkeypatch.setattr(cuda_graphs, "trees_in_use", lambda device: True)
+    leaf = torch.zeros(4, requires_grad=True)
+    hook = _OwnFirstGrad()
+    produced = torch.full((4,), 2.0)
+    leaf.grad = produced  # as AccumulateGrad leaves it: the produced tensor itself
+    hook(leaf)
+    assert torch.equal(leaf.grad, produced)
+    assert leaf.grad.untyped_storage().data_ptr() != produced.untyped_storage().data_ptr()
+    copy = leaf.grad
+    hook(leaf)  # once per accumulation: a second call leaves the copy alone
+    assert leaf.grad is copy
+
+
+def test_without_the_pool_the_produced_grad_is_kept(monkeypatch):
+    monkeypatch.setattr(cuda_graphs, "trees_in_use", lambda device: False)
+    leaf = torch.zeros(4, requires_grad=True)
+    produced = torch.full((4,), 2.0)
+    leaf.grad = produced
+    _OwnFirstGrad()(leaf)
+    assert leaf.grad is produced  # nothing copied off CUDA graphs
+
+
+def test_only_cuda_accumulators_get_the_hook():
+    leaf = torch.zeros(3, requires_grad=True)
+    keep_first_grad_out_of_pool(leaf)
+    assert not leaf._post_accumulate_grad_hooks  # the CPU has no graph pool
+
+
+def test_trees_in_use_is_false_off_cuda_and_before_any_cuda_graph(monkeypatch):
+    assert not trees_in_use(torch.device("cpu"))
+    monkeypatch.delitem(sys.modules, cuda_graphs._TREES, raising=False)
+    assert not trees_in_use(torch.device("cuda", 0))  # never imported: never ran
+
+
+@pytest.mark.parametrize("manager, expected", [(None, False), (object(), True)])
+def test_trees_in_use_asks_the_device_s_tree_manager(monkeypatch, manager, expected):
+    asked = []
+
+    def get_manager(index, create_if_none_exists=True):
+        asked.append((index, create_if_none_exists))
+        return manager
+
+    monkeypatch.setitem(
+        sys.modules, cuda_graphs._TREES, types.SimpleNamespace(get_manager=get_manager)
+    )
+    assert trees_in_use(torch.device("cuda", 1)) is expected
+    assert asked == [(1, False)]  # never creates one
+
+
+def test_trees_in_use_copies_when_it_cannot_tell(monkeypatch):
+    def get_manager(index, create_if_none_exists=True):
+        raise AssertionError("no tree manager state in this thread")
+
+    monkeypatch.setitem(
+        sys.modules, cuda_graphs._TREES, types.SimpleNamespace(get_manager=get_manager)
+    )
+    assert trees_in_use(torch.device("cuda", 0))
