@@ -149,24 +149,24 @@ def _warm(arm: str, layers: int, args: argparse.Namespace, mesh, batches) -> tup
 
 
 def _time_in_rounds(args, mesh, batches, runs: list, done: dict[int, dict]) -> None:
-    """``--rounds``: the arms of one size, built and warmed, then timed in turns."""
+    """``--rounds``: the arms of one size, built and warmed, then timed in turns; each
+    phase's numbers are the medians of the rounds' medians."""
+    device = torch.device(args.device)
     torch._dynamo.reset()
     built = {order: _warm(arm, layers, args, mesh, batches) for order, (layers, arm) in runs}
-    per_round: dict[int, list[dict]] = {order: [] for order in built}
+    rounds: dict[int, list[dict]] = {order: [] for order in built}
     for _ in range(args.rounds):
         for order, (step, _) in built.items():
-            per_round[order].append(
-                time_phases(step, batches, steps=args.steps, device=torch.device(args.device))
-            )
+            rounds[order].append(time_phases(step, batches, steps=args.steps, device=device))
     for order, (layers, arm) in runs:
-        phases = {
-            p: {
-                key: statistics.median(r[p][key] for r in per_round[order])
-                for key in per_round[order][0][p]
-            }
-            for p in PHASES
-        }
+        phases = {p: _median_of(rounds[order], p) for p in PHASES}
         done[order] = _record(arm, layers, built[order][1], args, phases)
+
+
+def _median_of(rounds: list[dict], phase: str) -> dict[str, float]:
+    """One phase's host (and GPU) ms: the median of its per-round medians."""
+    keys = rounds[0][phase]
+    return {key: statistics.median(r[phase][key] for r in rounds) for key in keys}
 
 
 def _record(arm: str, layers: int, n_params: int, args: argparse.Namespace, phases: dict) -> dict:

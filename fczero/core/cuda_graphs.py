@@ -11,7 +11,8 @@ tensor itself instead of copying it). A param's grad is read by the optimizer be
 next forward, so that is harmless. An accumulator (``ParamState.acc``, gradient
 accumulation under ``fczero.no_sync``) keeps its grad across micro-batches, and the next
 micro-batch's backward adds to it after the trees freed it: the error, raised in that
-backward (one H100, torch 2.11, stages 1 to 3).
+backward (seen at stage 3 on one H100, torch 2.11; the copy below was checked against a
+single process at stages 1 to 3).
 
 So an accumulator on a CUDA device copies its first grad out of the pool, once per
 accumulation, when CUDA graph trees have run on that device (``trees_in_use``); every

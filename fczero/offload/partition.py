@@ -45,8 +45,7 @@ def partition(gm: fx.GraphModule, joint_inputs, *, base=None, **kwargs):
     settings.plans.append(plan)  # (a later parallelize on the group starts a new list)
     if inductor_config.triton.cudagraphs:  # torch.compile(mode="reduce-overhead")
         _warn_uncapturable(settings, plan)
-    if plan.offloaded and plan.device_type == "cpu" and "activations-cpu" not in settings.warned:
-        settings.warned.add("activations-cpu")
+    if plan.offloaded and plan.device_type == "cpu" and settings.first_time("activations-cpu"):
         streams.warn(
             "fczero: OffloadPolicy.activations on a CPU graph: activations are copied between host "
             "buffers (the graph runs as with offload) and no memory is saved."
@@ -62,19 +61,18 @@ def partition(gm: fx.GraphModule, joint_inputs, *, base=None, **kwargs):
 # ops are tagged ``cudagraph_unsafe`` (``streams.UNCAPTURABLE``): Inductor then runs them
 # outside the graphs it captures, splitting a graph around them (graph partitioning, its
 # default; seen on the H100), or, with partitioning off, captures none of that graph (as
-# Inductor's code reads; not run). Either way the step
-# is slower than a fully captured one, so fczero says so once, as a warning, when it
-# partitions a graph that holds them with CUDA graphs asked for. Which graphs do is known
-# here: the activation plan (on a GPU) and the group's parameter offload.
+# Inductor's code reads; not run). Either way the step is slower than a fully captured
+# one, so fczero says so once, as a warning, when it partitions a graph that holds them
+# with CUDA graphs asked for. Which graphs do is known here: the activation plan (on a
+# GPU) and the group's parameter offload.
 def _warn_uncapturable(settings: registry.PassSettings, plan) -> None:
     features = []
     if plan.offloaded and plan.device_type == "cuda":
         features.append("activation offload (OffloadPolicy.activations)")
     if settings.param_offload:
         features.append("parameter offload (OffloadPolicy.params)")
-    if not features or "cuda-graphs" in settings.warned:
+    if not features or not settings.first_time("cuda-graphs"):
         return
-    settings.warned.add("cuda-graphs")
     streams.warn(
         f"fczero: torch.compile(mode='reduce-overhead') cannot capture {' and '.join(features)}: "
         "its copies run on a side stream or into host memory, so Inductor runs them outside "

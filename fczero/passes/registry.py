@@ -44,6 +44,13 @@ class PassSettings:
     plans: list = field(default_factory=list, compare=False, repr=False)
     warned: set[str] = field(default_factory=set, compare=False, repr=False)
 
+    def first_time(self, warning: str) -> bool:
+        """True once per settings for each ``warning`` key (then remembered in ``warned``)."""
+        if warning in self.warned:
+            return False
+        self.warned.add(warning)
+        return True
+
 
 #: Data-parallel group name -> its settings. Per process, as Inductor's hooks are.
 _BY_GROUP: dict[str, PassSettings] = {}
