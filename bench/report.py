@@ -391,10 +391,6 @@ def main(argv: list[str] | None = None) -> None:
         print(write_reports(args.out))
 
 
-if __name__ == "__main__":
-    main()
-
-
 PHASES = ("forward", "backward", "update")
 """The phases ``bench.phases`` times, in order."""
 
@@ -416,3 +412,7 @@ def phase_table(records: list[dict]) -> str:
     if len(rows) == 2:
         return ""
     return "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n"
+
+
+if __name__ == "__main__":
+    main()

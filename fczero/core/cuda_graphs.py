@@ -20,10 +20,21 @@ later micro-batch adds into that copy in place, as AccumulateGrad does for an ex
 ``.grad``. Without CUDA graphs nothing is copied. (Preallocating a zero ``.grad``, which
 torch's own message suggests for params, costs a fill and an add where the copy costs
 one read and one write.)
+
+[Note: tearing down after CUDA graphs]
+A CUDA graph that captured a NCCL collective holds a reference on that collective's
+communicator until the graph itself is freed, and NCCL's communicator teardown waits for
+those references to go. So ``dist.destroy_process_group()`` called while Inductor still
+holds the graphs of a run over 2+ GPUs never returns (seen on 2 x H200, torch 2.11: both
+ranks trained, then hung in ``destroy_process_group``; pytorch/pytorch#115388 reports
+the same with hand-captured graphs). ``release_graphs`` frees them first; call it (or
+``torch._dynamo.reset()``, which it wraps) before destroying the process group. One rank
+captures nothing that needs a peer, so a one-GPU run tears down either way.
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import torch
@@ -46,6 +57,18 @@ def trees_in_use(device: torch.device) -> bool:
         # the trees keep their managers in thread-local state that autograd's threads
         # inherit; a thread without it (or another torch's layout) cannot tell: copy
         return True
+
+
+def release_graphs() -> None:
+    """Free every CUDA graph Inductor captured in this process, with the compiled code that
+    replays them: what must happen before ``dist.destroy_process_group()`` after a run under
+    CUDA graphs over 2+ GPUs ([Note: tearing down after CUDA graphs]). The next call of a
+    compiled model compiles again."""
+    torch._dynamo.reset()  # drops compiled code and shuts the CUDA graph trees down
+    trees = sys.modules.get(_TREES)
+    if trees is not None:  # (reset does this too; the trees are what must go)
+        trees.reset_cudagraph_trees()
+    gc.collect()  # a graph held in a reference cycle goes now, not at some later collection
 
 
 def keep_first_grad_out_of_pool(accumulator: torch.Tensor) -> None:

@@ -94,18 +94,13 @@ def _why_not(node: fx.Node, min_bytes: int) -> str | None:
 
 def _host_nodes(graph: fx.Graph) -> set[fx.Node]:
     """Nodes whose bytes are not device memory: graph inputs (params, batch) and host tensors."""
+    on_device = _device_type(graph) != "cpu"  # (once: asking per node scanned the graph per node)
     out = set()
     for n in graph.nodes:
         val = n.meta.get("val")
-        if n.op == "placeholder" and n.name.startswith("primals"):
-            out.add(n)
-        elif n.meta.get("fczero_host"):
-            out.add(n)
-        elif (
-            isinstance(val, torch.Tensor)
-            and val.device.type == "cpu"
-            and _device_type(graph) != "cpu"
-        ):
+        is_input = n.op == "placeholder" and n.name.startswith("primals")
+        on_host = on_device and isinstance(val, torch.Tensor) and val.device.type == "cpu"
+        if is_input or on_host or n.meta.get("fczero_host"):
             out.add(n)
     return out
 

@@ -25,6 +25,8 @@ def _child(fn, rank, world_size, args, backend, workdir, timeout_s):  # pragma: 
     import torch
     import torch.distributed as dist
 
+    from fczero.core.cuda_graphs import release_graphs
+
     out_path = os.path.join(workdir, f"rank{rank}.pkl")
     try:
         if backend == "nccl":
@@ -51,6 +53,8 @@ def _child(fn, rank, world_size, args, backend, workdir, timeout_s):  # pragma: 
     if dist.is_initialized():
         if result[0] == "ok":
             dist.barrier()  # no rank tears down while another still communicates
+        # graphs that captured NCCL collectives would hold the group's teardown forever
+        release_graphs()
         dist.destroy_process_group()
 
 

@@ -1,4 +1,5 @@
-"""fczero/core/cuda_graphs.py: an accumulator's first grad leaves the CUDA graphs' pool.
+"""fczero/core/cuda_graphs.py: an accumulator's first grad leaves the CUDA graphs' pool, and
+``release_graphs`` frees what Inductor captured before a process group is torn down.
 
 The CUDA side (gradient accumulation under ``mode="reduce-overhead"`` against a single
 process) is ``tests/runtime/test_accumulation.py::test_nccl_accumulation_matches_one_large_batch``;
@@ -13,7 +14,12 @@ import pytest
 import torch
 
 from fczero.core import cuda_graphs
-from fczero.core.cuda_graphs import _OwnFirstGrad, keep_first_grad_out_of_pool, trees_in_use
+from fczero.core.cuda_graphs import (
+    _OwnFirstGrad,
+    keep_first_grad_out_of_pool,
+    release_graphs,
+    trees_in_use,
+)
 
 
 def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
@@ -97,3 +103,47 @@ def test_trees_in_use_copies_when_it_cannot_tell(monkeypatch):
         sys.modules, cuda_graphs._TREES, types.SimpleNamespace(get_manager=get_manager)
     )
     assert trees_in_use(torch.device("cuda", 0))
+
+
+def test_release_graphs_drops_compiled_code_and_the_trees(monkeypatch):
+    """After ``release_graphs`` a compiled function compiles again (its code, which holds
+    the graphs, is gone), and the CUDA graph trees were shut down."""
+    reset = []
+    monkeypatch.setitem(
+        sys.modules,
+        cuda_graphs._TREES,
+        types.SimpleNamespace(reset_cudagraph_trees=lambda: reset.append(True)),
+    )
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    fn = torch.compile(lambda x: x * 2 + 1, backend=backend)
+    fn(torch.ones(3))
+    fn(torch.ones(3))
+    assert len(compiles) == 1
+    release_graphs()
+    assert reset  # the trees, even where Dynamo's reset would not reach them
+    fn(torch.ones(3))
+    assert len(compiles) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_release_graphs_frees_the_captured_graphs():
+    """On a GPU: a model run under CUDA graphs leaves a tree manager behind, and
+    ``release_graphs`` removes it (what lets NCCL tear its communicators down)."""
+    from torch._inductor import cudagraph_trees
+
+    model = torch.nn.Linear(8, 8, device="cuda")
+    step = torch.compile(model, mode="reduce-overhead")
+    for _ in range(3):  # forward and backward each captured (the third run replays)
+        torch.compiler.cudagraph_mark_step_begin()
+        step(torch.ones(4, 8, device="cuda")).sum().backward()
+        model.zero_grad(set_to_none=True)  # (a grad kept across runs would be overwritten)
+    index = torch.cuda.current_device()
+    assert cudagraph_trees.get_manager(index, create_if_none_exists=False) is not None
+    release_graphs()
+    assert cudagraph_trees.get_manager(index, create_if_none_exists=False) is None

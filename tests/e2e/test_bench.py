@@ -221,6 +221,26 @@ def test_read_records_keeps_latest_and_merges_aborted_ranks(tmp_path: Path) -> N
     assert (tmp_path / report.TABLE).read_text() == text
 
 
+_PHASES = {p: {"host_ms": 1.0, "gpu_ms": 2.0} for p in ("forward", "backward", "update")}
+
+
+def test_report_runs_as_a_module(tmp_path: Path) -> None:
+    """``python -m bench.report`` (what gpu_run.sh calls) reaches every helper ``main`` uses:
+    a helper defined below the ``__main__`` guard was once missing at that point."""
+    report.append_record(tmp_path, {**_record("fczero-compiled"), "phases": _PHASES})
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.report", "--out", str(tmp_path)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "forward: host / GPU ms" in done.stdout and "1.0 / 2.0" in done.stdout
+
+
 def test_write_docs_reads_results_only(tmp_path: Path) -> None:
     out = tmp_path / "out"
     report.append_record(out, _record("fsdp2-eager"))
