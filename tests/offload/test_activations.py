@@ -263,6 +263,33 @@ def test_planner_auto_takes_largest_first_until_within_budget():
     assert {op_name(x) for x in bw.graph.nodes} >= {"reload", "reload_wait"}
 
 
+def _two_outputs_graph(device: str) -> torch.fx.Graph:
+    """``x -> (x * x on device, a copy of it in host memory)``, values as fake tensors: a
+    device activation of 1,024 bytes and a host one of 4,096."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(256, device=device)
+        on_device = torch.empty(256, device=device)
+        on_host = torch.empty(1024, device="cpu")
+    g = torch.fx.Graph()
+    inp = g.placeholder("primals_1")
+    inp.meta["val"] = x
+    a = g.call_function(torch.ops.aten.mul.Tensor, (inp, inp))
+    a.meta["val"] = on_device
+    b = g.call_function(torch.ops.aten._to_copy.default, (a,))
+    b.meta["val"] = on_host
+    g.output((a, b))
+    return g
+
+
+def test_planned_peak_leaves_host_tensors_out_of_a_device_graph():
+    """On a device graph a tensor in host memory costs no device bytes; on a CPU graph
+    every tensor is device memory. (Graph inputs count in neither.)"""
+    assert planned_peak(_two_outputs_graph("cuda")) == 1024
+    assert planned_peak(_two_outputs_graph("cpu")) == 1024 + 4096
+
+
 def test_planner_budget_below_minimum_names_it():
     fw, bw, n = _pair()
     with pytest.raises(ValueError, match=r"at least \d+ bytes .* Raise memory_budget to \d+"):
