@@ -66,7 +66,7 @@ def release_graphs() -> None:
     compiled model compiles again."""
     torch._dynamo.reset()  # drops compiled code and shuts the CUDA graph trees down
     trees = sys.modules.get(_TREES)
-    if trees is not None:  # (reset does this too; the trees are what must go)
+    if trees is not None:  # (torch 2.13's reset does this too; the trees are what must go)
         trees.reset_cudagraph_trees()
     gc.collect()  # a graph held in a reference cycle goes now, not at some later collection
 

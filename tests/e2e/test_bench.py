@@ -221,7 +221,7 @@ def test_read_records_keeps_latest_and_merges_aborted_ranks(tmp_path: Path) -> N
     assert (tmp_path / report.TABLE).read_text() == text
 
 
-_PHASES = {p: {"host_ms": 1.0, "gpu_ms": 2.0} for p in ("forward", "backward", "update")}
+_PHASES = {p: {"host_ms": 1.0, "gpu_ms": 2.0} for p in report.PHASES}
 
 
 def test_report_runs_as_a_module(tmp_path: Path) -> None:
