@@ -30,6 +30,13 @@ Every constant the gather itself needs is one plain tuple of Python literals,
 read as attributes of the spec, the same values cost a guard each. For the 16-block toy
 of ``bench.host_cost`` (115 params) that took the compiled forward's guards from 248 us
 to 117 us per call on a 2-core CPU (the plain model's: 24 us).
+
+The flags that choose the path (sync on, nothing accumulated, no whole copy, not kept
+unsharded) are folded the same way: ``ParamState.traced`` is the spec's tuple while
+all of them allow the plain gather and None otherwise, kept current by the state's
+setters. The getter reads that one attribute and the leaf; only a param off the plain
+path reads the flags themselves. On the same toy the forward's guard check fell from
+115 to 65 us (the plain model's: 31 us; ``guard_manager.check`` timed alone).
 """
 
 from __future__ import annotations

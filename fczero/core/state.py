@@ -159,22 +159,56 @@ class RootState:
             state.sync = value
 
 
+def _path_flag(name: str, doc: str) -> property:
+    """A ``ParamState`` attribute that picks the compiled getter's path: setting it
+    refreshes ``ParamState.traced``, which folds all of them into one guarded value."""
+    slot = "_" + name
+
+    def get(state: ParamState) -> Any:
+        return getattr(state, slot)
+
+    def set_(state: ParamState, value: Any) -> None:
+        setattr(state, slot, value)
+        state._retrace()
+
+    return property(get, set_, doc=doc)
+
+
 class ParamState:
-    """One sharded param: its whole copy (stages 1/2) and its accumulated grads."""
+    """One sharded param: its whole copy (stages 1/2) and its accumulated grads.
+
+    ``traced`` is what the compiled getter reads first: the spec's gather constants
+    while the plain stage-3 gather is the path, else None ([Note: what a compiled
+    gather reads] in ``fczero.core.spec``)."""
 
     def __init__(self, root: RootState, spec: ShardSpec, param: nn.Parameter) -> None:
         self.root = root
-        self.spec = spec
         self.param = param
-        self.sync = root.sync  # the root's flag ([Note: what a compiled gather reads])
-        self.whole: torch.Tensor | None = None  # stages 1/2 (not 0-d): the kept whole copy
-        self.acc: torch.Tensor | None = None  # leaf whose .grad accumulates while unsynced
+        # the flags that pick the compiled getter's path, and ``traced``, which folds them
+        self._spec, self._sync = spec, root.sync
+        self._whole: torch.Tensor | None = None
+        self._acc: torch.Tensor | None = None
+        self.traced: tuple | None = None
+        self._retrace()
         self.route: Route | None = None
         # a kept param's gather, reused by the micro-batches of one accumulation, and the
         # sharded param's version counter when gathered (-1: gathered in a compiled graph)
         self.reused: torch.Tensor | None = None
         self.reused_version = -1
         self.leaf = self._new_leaf(param)
+
+    spec = _path_flag("spec", "The param's ``ShardSpec`` (replaced when it is kept unsharded).")
+    sync = _path_flag("sync", "The root's sync flag, copied for the traced getter.")
+    whole = _path_flag("whole", "Stages 1/2 (not 0-d): the kept whole copy.")
+    acc = _path_flag("acc", "The leaf whose ``.grad`` accumulates while unsynced.")
+
+    def _retrace(self) -> None:
+        """Refresh ``traced``: the gather's constants while the plain stage-3 gather is the
+        path (sync on, nothing accumulated, no whole copy, not kept, a plain param)."""
+        spec = self._spec
+        plain = self._sync and self._whole is None and self._acc is None
+        plain = plain and spec.traced[0] and not spec.keep_unsharded
+        self.traced = spec.traced if plain else None
 
     # [Note: what a compiled graph differentiates]
     # A compiled graph that took the sharded DTensor as its input would pay for it on

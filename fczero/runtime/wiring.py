@@ -8,7 +8,9 @@ their keys and values, and ``torch.compile`` traces the property like any Python
 Nothing in torch is patched.
 
 Reading the property runs ``unsharded_param`` on the param's ``ParamState``
-(``fczero.core.state``). The plain case (stage 3, gradient sync on, nothing
+(``fczero.core.state``); while traced, a param on the plain path gathers straight from
+``ParamState.traced`` instead, one guarded value ([Note: what a compiled gather reads]
+in ``fczero.core.spec``). The plain case (stage 3, gradient sync on, nothing
 accumulated) is ``ShardSpec.unshard``, which in eager mode gathers through the state
 (``ParamState.gather_eagerly``: the eager context of its root's running forward); a
 whole copy (stages 1/2) or an accumulating micro-batch goes through the reducer's
@@ -26,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fczero.comm import collectives
 from fczero.comm.reducer import whole_param
-from fczero.core.spec import _local, _recompute_everything
+from fczero.core.spec import _local, _recompute_everything, gather_traced
 from fczero.core.state import ATTR, ParamState
 
 #: (user class, param names) -> its wired subclass. Per process: a generated class holds
@@ -41,6 +43,9 @@ def _unsharded_property(name: str) -> property:
     def get(module: nn.Module) -> torch.Tensor:
         state = getattr(module, ATTR).params[name]
         if torch.compiler.is_compiling():  # the sharded DTensor stays out of the graph
+            traced = state.traced
+            if traced is not None:
+                return gather_traced(state.leaf, traced)
             return unsharded_param(state, state.leaf)
         return unsharded_param(state, module._parameters[name])
 

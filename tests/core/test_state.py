@@ -304,3 +304,29 @@ def test_training_steps_change_no_module_level_state():
         assert changed == [], "changed at module level: " + ", ".join(changed)
         assert probes == 3 * (4 + 4 + 4 + 1)  # per step: forwards, backwards, steps, after
         assert seen > 100
+
+
+def test_the_traced_key_is_the_gather_constants_only_in_the_plain_case(fake_pg):
+    """[Note: what a compiled gather reads]: ``ParamState.traced`` is the spec's gather
+    constants exactly while the compiled getter may gather straight from them (stage 3,
+    sync on, nothing accumulated, not kept), else None, and follows each change."""
+    mesh = init_device_mesh("cpu", (2,))
+    model = fczero.parallelize(TwoLayer(), mesh)
+    state = model.fc1._fczero.params["weight"]
+    assert state.traced is state.spec.traced and state.traced[0]
+    with fczero.no_sync(model):
+        assert state.traced is None
+    assert state.acc is not None and state.traced is None  # the next synced forward adds it
+    state.acc = None
+    assert state.traced is state.spec.traced
+    state.sync = False
+    assert state.traced is None
+    state.sync = True
+    assert state.traced is state.spec.traced
+    state.whole = torch.zeros(state.spec.shape)
+    assert state.traced is None
+    state.whole = None
+    kept = fczero.parallelize(TwoLayer(), mesh, comm_policy=fczero.CommPolicy(keep_unsharded=2**30))
+    assert kept.fc1._fczero.params["weight"].traced is None
+    whole = fczero.parallelize(TwoLayer(), mesh, stage=2)
+    assert whole.fc1._fczero.params["weight"].traced is None
