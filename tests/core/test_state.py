@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import importlib
 import inspect
 import pkgutil
@@ -326,6 +327,11 @@ def test_the_traced_key_is_the_gather_constants_only_in_the_plain_case(fake_pg):
     state.whole = torch.zeros(state.spec.shape)
     assert state.traced is None
     state.whole = None
+    plain = state.spec  # the automatic plan keeps a param by replacing its spec
+    state.spec = dataclasses.replace(plain, keep_unsharded=True)
+    assert state.traced is None
+    state.spec = plain
+    assert state.traced is plain.traced
     kept = fczero.parallelize(TwoLayer(), mesh, comm_policy=fczero.CommPolicy(keep_unsharded=2**30))
     assert kept.fc1._fczero.params["weight"].traced is None
     whole = fczero.parallelize(TwoLayer(), mesh, stage=2)
