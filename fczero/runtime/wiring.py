@@ -8,10 +8,10 @@ their keys and values, and ``torch.compile`` traces the property like any Python
 Nothing in torch is patched.
 
 Reading the property runs ``unsharded_param`` on the param's ``ParamState``
-(``fczero.core.state``); while traced, a param on the plain path gathers straight from
-``ParamState.traced`` instead, one guarded value ([Note: what a compiled gather reads]
-in ``fczero.core.spec``). The plain case (stage 3, gradient sync on, nothing
-accumulated) is ``ShardSpec.unshard``, which in eager mode gathers through the state
+(``fczero.core.state``). On the plain path it reads one value of the state,
+``ParamState.traced``, which a compiled gather takes its constants from ([Note: what a
+compiled gather reads] in ``fczero.core.spec``). The plain case (stage 3, gradient sync
+on, nothing accumulated) is ``ShardSpec.unshard``, which in eager mode gathers through the state
 (``ParamState.gather_eagerly``: the eager context of its root's running forward); a
 whole copy (stages 1/2) or an accumulating micro-batch goes through the reducer's
 ``whole_param`` instead, whose backward reduces or accumulates the whole grad.
@@ -43,9 +43,6 @@ def _unsharded_property(name: str) -> property:
     def get(module: nn.Module) -> torch.Tensor:
         state = getattr(module, ATTR).params[name]
         if torch.compiler.is_compiling():  # the sharded DTensor stays out of the graph
-            traced = state.traced
-            if traced is not None:
-                return gather_traced(state.leaf, traced)
             return unsharded_param(state, state.leaf)
         return unsharded_param(state, module._parameters[name])
 
@@ -70,6 +67,11 @@ def unsharded_param(state: ParamState, param: torch.Tensor) -> torch.Tensor:
     """The unsharded param a module computes with (called on every access): ``param``
     is the sharded param in eager, ``state.leaf`` when traced ([Note: what a compiled
     graph differentiates] in ``fczero.core.state``; so Dynamo never reads the DTensor)."""
+    traced = state.traced  # the plain stage-3 gather: the one value read on that path
+    if traced is not None:
+        if torch.compiler.is_compiling():
+            return gather_traced(param, traced)
+        return state.spec.unshard(param, state)
     spec = state.spec
     grad_path = param.requires_grad and torch.is_grad_enabled()
     accumulating = grad_path and not state.sync
