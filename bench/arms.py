@@ -323,6 +323,12 @@ def build_fczero_keep_all(ctx: ArmContext) -> Arm:
     return _fczero(ctx, compiled=True, reshard_after_forward=False)
 
 
+def build_fczero_regather(ctx: ArmContext) -> Arm:
+    """Every gathered param freed after forward and gathered again in backward, as FSDP2
+    does (``keep_unsharded=0``; the default keeps one shard's worth)."""
+    return _fczero(ctx, compiled=True, comm_policy=_comm(keep_unsharded=0))
+
+
 def build_fczero_unshard_512mib(ctx: ArmContext) -> Arm:
     """Selective unsharding: the last blocks (head, norm, about three decoder blocks of the
     benchmark model) stay gathered from forward to backward."""
@@ -652,6 +658,11 @@ ARMS: dict[str, ArmSpec] = {
             needs_cuda=True,
         ),
         ArmSpec(
+            name="fczero-regather",
+            label="fczero compiled, keep_unsharded=0",
+            build=build_fczero_regather,
+        ),
+        ArmSpec(
             name="fczero-keep-all-cudagraphs",
             label="fczero compiled, CUDA graphs, no reshard after forward",
             build=build_fczero_cuda_graphs_keep_all,
@@ -783,8 +794,8 @@ GROUPS: dict[str, list[str]] = {
     ],  # fmt: skip
     "cudagraphs": ["floor-cudagraphs", "fczero-cudagraphs"],
     "unshard": [
-        "fczero-unshard-512mib", "fczero-keep-all", "fczero-keep-all-cudagraphs",
-        "fczero-auto-cudagraphs",
+        "fczero-regather", "fczero-unshard-512mib", "fczero-keep-all",
+        "fczero-keep-all-cudagraphs", "fczero-auto-cudagraphs",
     ],  # fmt: skip
     "overlap": _OVERLAP_ARMS,
     "fsdp2": ["fsdp2-eager", "fsdp2-compiled"],

@@ -193,7 +193,10 @@ def parallelize(
     selective = options.selective_unsharding
     kept = None
     if selective and not options.auto_unsharding:
-        kept = unsharding.plan_kept_params(first_owner, options.comm.keep_unsharded)
+        budget, source = unsharding.budget_of(
+            options.comm.keep_unsharded, first_owner, dp_mesh.size(), _offload_named(options)
+        )
+        kept = unsharding.plan_kept_params(first_owner, budget, source)
         if kept.budget:
             logger.info("selective unsharding: %s", unsharding.describe(kept))
         for key in kept.ids:
@@ -259,6 +262,15 @@ def parallelize(
 def is_parallelized(model: nn.Module) -> bool:
     """True if ``model`` or one of its submodules went through ``parallelize``."""
     return any(ATTR in m.__dict__ for m in model.modules())
+
+
+def _offload_named(options: Options) -> str | None:
+    """The device-memory offload ``options`` ask for, by its option's name (None: none)."""
+    if options.offload.params:
+        return "OffloadPolicy.params"
+    if options.offload.activations != "off":
+        return f"OffloadPolicy.activations={options.offload.activations!r}"
+    return None
 
 
 def _validate_model(

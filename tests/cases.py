@@ -28,6 +28,10 @@ from tests.models import (
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 #: bf16 compute, fp32 reduction: the mixed precision every bf16 case runs
 BF16_MP = fczero.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+#: stage 3 as FSDP2 runs it: every gathered param freed after forward and gathered again in
+#: backward. The default keeps one shard's worth (the last blocks, all of a one-rank model);
+#: the tests of the regather itself turn that off.
+REGATHER = fczero.CommPolicy(keep_unsharded=0)
 BF16_OPTS = (("mp_policy", BF16_MP),)
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
 

@@ -14,6 +14,7 @@ from torch.distributed import fsdp as torch_fsdp
 
 from fczero.core.policies import (
     AUTO,
+    SHARD,
     CheckPolicy,
     CommPolicy,
     MixedPrecisionPolicy,
@@ -61,7 +62,8 @@ class Options:
                 f"fczero: reshard_after_forward=False with stage={self.stage}: stages 1 and 2 "
                 "keep every param whole already; drop reshard_after_forward, or use stage=3."
             )
-        if self.comm.keep_unsharded != 0 and (self.stage != 3 or not self.reshard_after_forward):
+        whole = self.stage != 3 or not self.reshard_after_forward  # every param stays whole
+        if self.comm.keep_unsharded not in (0, SHARD) and whole:
             raise ValueError(
                 f"fczero: CommPolicy.keep_unsharded={self.comm.keep_unsharded!r} chooses which "
                 "params stay gathered after forward, but with "

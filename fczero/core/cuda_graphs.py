@@ -21,6 +21,12 @@ later micro-batch adds into that copy in place, as AccumulateGrad does for an ex
 torch's own message suggests for params, costs a fill and an add where the copy costs
 one read and one write.)
 
+A param kept unsharded (selective unsharding, on by default) keeps one more tensor across
+micro-batches: its gather, which the first micro-batch's graph returns and the later
+ones take as an input (``ParamState.reused``). The same hook copies it out of the pool,
+at the same moment (the first micro-batch's backward); without the copy the stage-3 case
+failed its parity test on one H200 (torch 2.11) once the default kept every block.
+
 [Note: tearing down after CUDA graphs]
 A CUDA graph that captured a NCCL collective holds a reference on that collective's
 communicator until the graph itself is freed, and NCCL's communicator teardown waits for
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import gc
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -71,12 +78,15 @@ def release_graphs() -> None:
     gc.collect()  # a graph held in a reference cycle goes now, not at some later collection
 
 
-def keep_first_grad_out_of_pool(accumulator: torch.Tensor) -> None:
+def keep_first_grad_out_of_pool(
+    accumulator: torch.Tensor, also: Callable[[], None] | None = None
+) -> None:
     """Give ``accumulator`` (a leaf whose ``.grad`` sums micro-batches) a hook that copies
     its first grad out of the CUDA graphs' pool ([Note: a grad kept across CUDA-graph
-    runs]); only on CUDA, where the pool exists."""
+    runs]); only on CUDA, where the pool exists. ``also`` runs at the same moment, when
+    the copy is made: the owner's other tensors kept across micro-batches."""
     if accumulator.device.type == "cuda":
-        accumulator.register_post_accumulate_grad_hook(_OwnFirstGrad())
+        accumulator.register_post_accumulate_grad_hook(_OwnFirstGrad(also))
 
 
 class _OwnFirstGrad:
@@ -84,10 +94,11 @@ class _OwnFirstGrad:
     in ordinary memory; later calls find the copy, which AccumulateGrad added to in place.
     It holds no reference to the leaf (the leaf holds the hook)."""
 
-    __slots__ = ("done",)
+    __slots__ = ("also", "done")
 
-    def __init__(self) -> None:
+    def __init__(self, also: Callable[[], None] | None = None) -> None:
         self.done = False
+        self.also = also
 
     def __call__(self, leaf: torch.Tensor) -> None:
         if self.done:
@@ -96,3 +107,5 @@ class _OwnFirstGrad:
         grad = leaf.grad
         if grad is not None and trees_in_use(grad.device):
             leaf.grad = grad.clone()
+            if self.also is not None:
+                self.also()

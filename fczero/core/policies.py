@@ -19,6 +19,7 @@ __all__ = ["CheckPolicy", "CommPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 AUTO = "auto"
+SHARD = "shard"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,12 +66,15 @@ class CommPolicy:
     """How many buckets ahead of its use an all-gather may be issued, compiled or eager
     (compiled graphs also ask ``memory_budget``, bucket by bucket). 0: no prefetch."""
 
-    keep_unsharded: int | str = 0
+    keep_unsharded: int | str = SHARD
     """Stage 3 with ``reshard_after_forward=True``: bytes of unsharded params that stay
     gathered from forward to backward and skip the backward all-gather (selective
     unsharding, ``fczero/core/unsharding.py``): whole blocks, the last to run forward first.
-    0: none. ``"auto"``: after the second optimizer step, what the measured peak leaves
-    of ``memory_budget`` (CUDA only; elsewhere nothing is kept)."""
+    ``"shard"`` (the default): one shard's worth, the model's unsharded bytes over the
+    data-parallel world size (all of it on one rank; none with params or activations
+    offloaded, or once ``offload_optimizer_states`` wraps the model's optimizer).
+    0: none, as FSDP2 frees them. ``"auto"``: after the second optimizer step, what the
+    measured peak leaves of ``memory_budget`` (CUDA only; elsewhere nothing is kept)."""
 
     compile_passes: bool = True
     """Install fczero's Inductor passes (bucketing, prefetch, late waits). They act only
@@ -79,11 +83,12 @@ class CommPolicy:
     def __post_init__(self) -> None:
         check_count("CommPolicy.bucket_bytes", self.bucket_bytes)
         check_count("CommPolicy.prefetch", self.prefetch)
-        if self.keep_unsharded != AUTO:
+        if self.keep_unsharded not in (AUTO, SHARD):
             if isinstance(self.keep_unsharded, str):
                 raise ValueError(
                     f"fczero: CommPolicy.keep_unsharded={self.keep_unsharded!r}; use a number "
-                    "of bytes (0 for none) or 'auto' (sized from memory_budget)."
+                    "of bytes (0 for none), 'shard' (one shard's worth, the default) or 'auto' "
+                    "(sized from memory_budget)."
                 )
             check_count("CommPolicy.keep_unsharded", self.keep_unsharded)
         _check_flag("CommPolicy.compile_passes", self.compile_passes)

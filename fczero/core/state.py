@@ -188,12 +188,12 @@ class ParamState:
         self._spec, self._sync = spec, root.sync
         self._whole: torch.Tensor | None = None
         self._acc: torch.Tensor | None = None
+        self._reused: torch.Tensor | None = None
         self.traced: tuple | None = None
         self._retrace()
         self.route: Route | None = None
-        # a kept param's gather, reused by the micro-batches of one accumulation, and the
-        # sharded param's version counter when gathered (-1: gathered in a compiled graph)
-        self.reused: torch.Tensor | None = None
+        # the sharded param's version counter when ``reused`` was gathered (-1: gathered
+        # in a compiled graph)
         self.reused_version = -1
         self.leaf = self._new_leaf(param)
 
@@ -201,13 +201,17 @@ class ParamState:
     sync = _path_flag("sync", "The root's sync flag, copied for the traced getter.")
     whole = _path_flag("whole", "Stages 1/2 (not 0-d): the kept whole copy.")
     acc = _path_flag("acc", "The leaf whose ``.grad`` accumulates while unsynced.")
+    reused = _path_flag(
+        "reused", "A kept param's gather, reused by the micro-batches of one accumulation."
+    )
 
     def _retrace(self) -> None:
         """Refresh ``traced``: the gather's constants while the plain stage-3 gather is the
-        path (sync on, nothing accumulated, no whole copy, not kept, a plain param)."""
+        path (sync on, nothing accumulated, no whole copy, a plain param, and for a kept
+        param no gather left over from an accumulation)."""
         spec = self._spec
         plain = self._sync and self._whole is None and self._acc is None
-        plain = plain and spec.traced[0] and not spec.keep_unsharded
+        plain = plain and spec.traced[0] and (not spec.keep_unsharded or self._reused is None)
         self.traced = spec.traced if plain else None
 
     # [Note: what a compiled graph differentiates]
@@ -282,7 +286,17 @@ class ParamState:
         device = self.spec.compute_device or self.param.device  # (param offload: the device's)
         one = torch.zeros((), dtype=route.reduce_dtype, device=device)
         self.acc = one.expand(self.spec.shape).detach().requires_grad_(True)
-        keep_first_grad_out_of_pool(self.acc)  # (CUDA graphs would free it between micro-batches)
+        # (CUDA graphs would free it between micro-batches, and a kept param's reused gather)
+        keep_first_grad_out_of_pool(self.acc, partial(_reused_out_of_pool, weakref.ref(self)))
+
+
+def _reused_out_of_pool(state: weakref.ref) -> None:
+    """A kept param's gather, reused by the later micro-batches, copied out of the CUDA
+    graphs' pool ([Note: a grad kept across CUDA-graph runs]). The hook that calls this
+    holds the state weakly, as ``_grad_arrived``'s does."""
+    target = state()
+    if target is not None and target.reused is not None:
+        target.reused = target.reused.clone()
 
 
 def _grad_arrived(state: weakref.ref, leaf: torch.Tensor) -> None:

@@ -23,6 +23,23 @@ While gradients accumulate (``fczero.no_sync``), a kept param is gathered once p
 accumulation, eager and compiled: the micro-batches after the first reuse that gather,
 up to the synced micro-batch (``fczero.core.state.ParamState.reused``).
 
+[Note: the default kept bytes]
+By default (``keep_unsharded="shard"``) a plan may spend the model's unsharded bytes
+(in ``param_dtype``) over the data-parallel world size: one more shard of the params, in
+the dtype they compute in. With fp32 shards, bf16 compute and Adam, a rank holds 16
+bytes per param over the world size already (shard, grad, two moments); the kept blocks
+add at most 2, alive from their forward gather to their last backward use and freed
+before the optimizer step. At world size 1 every block is kept, so backward computes
+from forward's casts as a plain model under autocast does; at world size N the last
+1/N of the model is kept, the blocks whose backward gathers come first and have nothing
+to hide behind. The number depends on shapes, dtypes and the world size alone: every
+rank plans the same at ``parallelize``, and nothing recompiles later. ``keep_unsharded=0``
+frees every gathered param after forward, as FSDP2 does. With params or activations
+offloaded (``OffloadPolicy``) the default keeps nothing: offload asks for the least
+device memory, and activation offload would move the kept params to the host and back.
+``offload_optimizer_states``, set up after ``parallelize``, drops a default plan of its
+optimizer's models the same way (``drop_default_plan``).
+
 [Note: automatic selective unsharding]
 ``keep_unsharded="auto"`` sizes the kept blocks from ``memory_budget`` instead of by
 hand. Before any step runs, nothing says how much a step needs (activations depend on
@@ -61,13 +78,14 @@ import torch.distributed as dist
 
 from fczero.comm import collectives
 from fczero.core.memory import budget_and_peak
+from fczero.core.policies import SHARD
 from fczero.core.state import root_state
 
 if TYPE_CHECKING:
     import torch.nn as nn
 
     from fczero.core.spec import ShardSpec
-    from fczero.core.state import ParamState
+    from fczero.core.state import ParamState, RootState
 
 #: Optimizer steps that run as pure stage 3 before the automatic plan is made.
 AUTO_PLAN_AFTER_STEPS = 2
@@ -95,6 +113,45 @@ class KeptPlan:
     kept_bytes: int  # their unsharded bytes
     budget: int  # bytes the plan could spend
     source: str  # "keep_unsharded", or "auto: ..." with the numbers it came from
+
+
+def budget_of(
+    keep_unsharded: int | str,
+    params: Sequence[tuple[str, torch.Tensor, ShardSpec]],
+    world: int,
+    offload: str | None,
+) -> tuple[int, str]:
+    """Bytes a plan made at ``parallelize`` may keep, and where the number comes from:
+    ``keep_unsharded`` itself, or for ``"shard"`` one shard's worth ([Note: the default
+    kept bytes]); ``offload`` names the offload asked for, if any (then none is kept)."""
+    if keep_unsharded != SHARD:
+        return int(keep_unsharded), ""
+    if offload is not None:
+        return 0, f"{_DEFAULT} with {offload}: none"
+    total = sum(spec.unsharded_bytes(param) for _, param, spec in params)
+    return total // world, (
+        f"{_DEFAULT}: {total / 2**20:.1f} MiB of unsharded params over {world} "
+        f"rank{'s' if world > 1 else ''}"
+    )
+
+
+_DEFAULT = "keep_unsharded='shard'"  # how a default plan's source starts
+
+
+def drop_default_plan(root: RootState, offload: str) -> None:
+    """``offload`` (optimizer-state offload, set up after ``parallelize``) asks for the
+    least device memory: the params the default kept are freed after forward again
+    ([Note: the default kept bytes]). A plan the user sized is left alone."""
+    plan = root.kept
+    if plan is None or not plan.source.startswith(_DEFAULT) or not plan.ids:
+        return
+    for state in root.params:
+        if state.spec.keep_unsharded:
+            state.spec = dataclasses.replace(state.spec, keep_unsharded=False)
+    if root.prefetch is not None:
+        root.prefetch.order = None  # it recorded the kept specs
+    root.kept = plan_kept_params([], 0, f"{_DEFAULT} with {offload}: none")
+    logger.info("selective unsharding: %s", describe(root.kept))
 
 
 def plan_kept_params(

@@ -52,10 +52,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fczero.core import host_memory, streams
+from fczero.core import host_memory, streams, unsharding
 from fczero.core.state import OptimizerState, compute_device_of, optimizer_state, options_of
 from fczero.offload import state_budget
-from fczero.runtime.step_hooks import one_step_in_parts
+from fczero.runtime.step_hooks import one_step_in_parts, roots_of
 
 logger = logging.getLogger("fczero")
 
@@ -511,6 +511,10 @@ def offload_optimizer_states(
         memory_budget: with ``device_bytes="auto"``: device bytes to plan within
             (default: the parallelized model's ``memory_budget``, else 90% of the device).
 
+    Offloading states asks for the least device memory, so the params that
+    ``CommPolicy(keep_unsharded="shard")`` (the default) kept gathered from forward to
+    backward are freed after forward again; a ``keep_unsharded`` given in bytes stays.
+
     Returns:
         the :class:`OptimizerOffload` handle: ``prefetch()`` starts the copy back early,
         ``wait()`` finishes copies in flight, ``summary`` says what moved, ``remove()``
@@ -553,6 +557,8 @@ def offload_optimizer_states(
             "fczero: this optimizer's states are already offloaded; call "
             "offload_optimizer_states once per optimizer (or .remove() the first handle)."
         )
+    for root in roots_of(optimizer):  # the least device memory is asked for
+        unsharding.drop_default_plan(root, "offload_optimizer_states")
     kept = 0 if device_bytes == "auto" else device_bytes  # (auto: decided at the first step)
     host_memory.check_optimizer_states(optimizer, kept, pin_memory, _step_device)
     handle = OptimizerOffload(optimizer, device_bytes, pin_memory, chunk_bytes, memory_budget)

@@ -30,6 +30,7 @@ from fczero.core import host_memory, streams
 from fczero.core.state import (
     OptimizerState,
     ParamState,
+    RootState,
     any_sharded,
     optimizer_state,
     state_of,
@@ -80,6 +81,11 @@ def _states_of(optimizer: torch.optim.Optimizer) -> list[ParamState]:
         roots = {id(s.root): s.root for s in states}  # (in order of first param)
         record.roots = [weakref.ref(r) for r in roots.values()]
     return states
+
+
+def roots_of(optimizer: torch.optim.Optimizer) -> list[RootState]:
+    """The roots of the fczero params ``optimizer`` holds, in the order of their first param."""
+    return list({id(s.root): s.root for s in _states_of(optimizer)}.values())
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

@@ -68,6 +68,44 @@ def test_without_the_pool_the_produced_grad_is_kept(monkeypatch):
     assert leaf.grad is produced  # nothing copied off CUDA graphs
 
 
+@pytest.mark.parametrize("in_pool", [True, False])
+def test_the_owners_other_tensors_go_with_the_first_copy(monkeypatch, in_pool):
+    monkeypatch.setattr(cuda_graphs, "trees_in_use", lambda device: in_pool)
+    calls = []
+    hook = _OwnFirstGrad(lambda: calls.append("also"))
+    leaf = torch.zeros(4, requires_grad=True)
+    leaf.grad = torch.ones(4)
+    hook(leaf)
+    hook(leaf)  # once per accumulation
+    assert calls == (["also"] if in_pool else [])
+
+
+def test_a_kept_params_reused_gather_is_copied_out(fake_pg):
+    """The ``also`` of a param state: its reused gather (the first micro-batch's graph
+    output) is replaced by a copy of its own, and the state's traced key still says the
+    reused path; a state that is gone is left alone."""
+    import weakref
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fczero
+    from fczero.core.state import _reused_out_of_pool
+    from tests.models import TwoLayer
+
+    model = fczero.parallelize(TwoLayer(), init_device_mesh("cpu", (2,)))
+    state = model.fc2._fczero.params["weight"]  # kept by the default (the last module)
+    assert state.spec.keep_unsharded
+    gathered = torch.randn(state.spec.shape)
+    state.reused = gathered
+    _reused_out_of_pool(weakref.ref(state))
+    assert torch.equal(state.reused, gathered) and state.reused is not gathered
+    assert state.reused.untyped_storage().data_ptr() != gathered.untyped_storage().data_ptr()
+    assert state.traced is None  # the reused path, until the synced micro-batch drops it
+    dead = weakref.ref(torch.zeros(1))  # the temporary is gone at once: a state that is gone
+    assert dead() is None
+    _reused_out_of_pool(dead)
+
+
 def test_only_cuda_accumulators_get_the_hook():
     leaf = torch.zeros(3, requires_grad=True)
     keep_first_grad_out_of_pool(leaf)

@@ -310,7 +310,8 @@ def test_training_steps_change_no_module_level_state():
 def test_the_traced_key_is_the_gather_constants_only_in_the_plain_case(fake_pg):
     """[Note: what a compiled gather reads]: ``ParamState.traced`` is the spec's gather
     constants exactly while the compiled getter may gather straight from them (stage 3,
-    sync on, nothing accumulated, not kept), else None, and follows each change."""
+    sync on, nothing accumulated, a kept param's reused gather dropped), else None, and
+    follows each change."""
     mesh = init_device_mesh("cpu", (2,))
     model = fczero.parallelize(TwoLayer(), mesh)
     state = model.fc1._fczero.params["weight"]
@@ -329,10 +330,15 @@ def test_the_traced_key_is_the_gather_constants_only_in_the_plain_case(fake_pg):
     state.whole = None
     plain = state.spec  # the automatic plan keeps a param by replacing its spec
     state.spec = dataclasses.replace(plain, keep_unsharded=True)
+    assert state.traced is state.spec.traced and not state.traced[1]  # gathered, not recomputed
+    state.reused = torch.zeros(state.spec.shape)  # left over from an accumulation: dropped first
     assert state.traced is None
+    state.reused = None
+    assert state.traced is state.spec.traced
     state.spec = plain
     assert state.traced is plain.traced
     kept = fczero.parallelize(TwoLayer(), mesh, comm_policy=fczero.CommPolicy(keep_unsharded=2**30))
-    assert kept.fc1._fczero.params["weight"].traced is None
+    kept_state = kept.fc1._fczero.params["weight"]
+    assert kept_state.spec.keep_unsharded and kept_state.traced is kept_state.spec.traced
     whole = fczero.parallelize(TwoLayer(), mesh, stage=2)
     assert whole.fc1._fczero.params["weight"].traced is None

@@ -64,6 +64,72 @@ def test_whole_blocks_are_kept_from_the_last_one_back(fake_pg, budget, kept):
     assert sorted(_kept(model)) == sorted(kept)
 
 
+ALL = [f"blocks.{i}.{n}" for i in range(3) for n in ("weight", "bias")] + ["head.weight"]
+
+
+@pytest.mark.parametrize(
+    ("fake_pg", "kept"),
+    [
+        (1, ALL),  # one rank: the whole model is one shard
+        (2, ["blocks.2.weight", "blocks.2.bias", "head.weight"]),  # 1.04 of 1.51 MiB
+        (4, ["head.weight"]),  # 0.76 MiB: blocks.2 (1.00 MiB) does not fit
+    ],
+    indirect=["fake_pg"],
+)
+def test_the_default_keeps_one_shard_of_the_model(fake_pg, kept, caplog):
+    """[Note: the default kept bytes]: the model's unsharded bytes over the world size."""
+    with caplog.at_level("INFO", logger="fczero"):
+        model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (fake_pg,)))
+    assert sorted(_kept(model)) == sorted(kept)
+    total = 3 * BLOCK + HEAD
+    assert f"keep_unsharded='shard': {total / 2**20:.1f} MiB of unsharded params" in caplog.text
+
+
+def test_the_default_counts_param_dtype_bytes(fake_pg):
+    """bf16 params: what is kept is counted in the dtype a gather produces."""
+    mp = fczero.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), mp_policy=mp)
+    plan = root_state(model).kept
+    assert plan.budget == (3 * BLOCK + HEAD) // 2 // 2  # bf16 bytes over 2 ranks
+    assert plan.kept_bytes == (BLOCK + HEAD) // 2
+    assert sorted(_kept(model)) == ["blocks.2.bias", "blocks.2.weight", "head.weight"]
+
+
+@pytest.mark.parametrize(
+    "offload",
+    [
+        fczero.OffloadPolicy(params=True),
+        fczero.OffloadPolicy(activations="all"),
+        fczero.OffloadPolicy(activations="auto"),
+    ],
+)
+def test_the_default_keeps_nothing_under_offload(fake_pg, offload, caplog):
+    """Offload asks for the least device memory (and activation offload would move kept
+    params to the host and back): the default keeps nothing, and says why."""
+    with caplog.at_level("INFO", logger="fczero"):
+        model = fczero.parallelize(
+            ThreeBlocks(), init_device_mesh("cpu", (2,)), offload_policy=offload
+        )
+    assert _kept(model) == []
+    plan = root_state(model).kept
+    assert plan.budget == 0 and "with OffloadPolicy." in plan.source
+    # an explicit number still keeps, offload or not
+    model = fczero.parallelize(
+        ThreeBlocks(),
+        init_device_mesh("cpu", (2,)),
+        offload_policy=offload,
+        comm_policy=fczero.CommPolicy(keep_unsharded=HEAD),
+    )
+    assert _kept(model) == ["head.weight"]
+
+
+@pytest.mark.parametrize("options", [{"stage": 1}, {"stage": 2}, {"reshard_after_forward": False}])
+def test_the_default_is_accepted_where_every_param_stays_whole(fake_pg, options):
+    """An explicit budget there is refused (below); the default simply has nothing to do."""
+    model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), **options)
+    assert _kept(model) == []
+
+
 class Wrapped(torch.nn.Module):
     """ThreeBlocks one level down, with an input layer: ``model.embed`` and ``model.head``
     sit outside the indexed container and must not be kept (or dropped) together."""
@@ -106,7 +172,7 @@ def test_bad_budget_is_refused_before_anything_changes(fake_pg):
     model = ThreeBlocks()
     with pytest.raises(ValueError, match="keep_unsharded=-1 is negative"):
         fczero.CommPolicy(keep_unsharded=-1)
-    with pytest.raises(ValueError, match="keep_unsharded='1GB'; use a number of bytes"):
+    with pytest.raises(ValueError, match="keep_unsharded='1GB'; use a number of bytes .*'shard'"):
         fczero.CommPolicy(keep_unsharded="1GB")
     with pytest.raises(TypeError, match="keep_unsharded must be an int"):
         fczero.CommPolicy(keep_unsharded=1.5e9)

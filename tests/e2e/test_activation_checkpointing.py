@@ -30,6 +30,7 @@ from fczero.testing import parity
 from fczero.testing.comm import CollectiveLog
 from fczero.testing.distributed import run_on_ranks
 from fczero.testing.graphs import collective_sequence, saved_unsharded
+from tests.cases import REGATHER
 from tests.checkpoint_policies import save_attention_context
 from tests.models import tiny_llama, token_batches
 
@@ -93,6 +94,7 @@ def _count_gathers(rank: int, world_size: int, mode: str, reshard: bool):
         CheckpointedNet(mode),
         init_device_mesh("cpu", (world_size,)),
         reshard_after_forward=reshard,
+        comm_policy=REGATHER if reshard else fczero.CommPolicy(),
     )
     x, y = batches(steps=1)[0]
     with CollectiveLog() as fwd:
@@ -261,7 +263,10 @@ def test_compiled_backward_regathers_block_params(fake_pg, key):
     mode, reshard = key
     torch.manual_seed(0)
     model = fczero.parallelize(
-        CheckpointedNet(mode), init_device_mesh("cpu", (2,)), reshard_after_forward=reshard
+        CheckpointedNet(mode),
+        init_device_mesh("cpu", (2,)),
+        reshard_after_forward=reshard,
+        comm_policy=REGATHER if reshard else fczero.CommPolicy(),
     )
     backend = AotEagerAndRecordGraphs()
     compiled = torch.compile(model, backend=backend, fullgraph=True)

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fczero
 from fczero.testing.graphs import collective_sequence, render, saved_unsharded
+from tests.cases import REGATHER
 from tests.models import GraphBreakMLP, TwoLayer
 from tests.snapshots import FakeGroupTestCase, same_torch
 
@@ -36,9 +37,21 @@ class GraphTest(FakeGroupTestCase):
         return forward[0], backend.bw_graphs[0]
 
     def test_partitioner_regathers_in_backward_when_resharding(self):
-        fw, bw = self.compile_two_layer(reshard_after_forward=True)
+        fw, bw = self.compile_two_layer(reshard_after_forward=True, comm_policy=REGATHER)
         self.assertEqual(saved_unsharded(fw), [])
         self.assertIn("all_gather_into_tensor[4, 16]", collective_sequence(bw))
+
+    def test_default_keeps_one_shard_of_the_last_modules(self):
+        """[Note: the default kept bytes]: over 2 ranks half the model's bytes may stay
+        gathered; ``fc2`` (256 of 832 bytes) fits, ``fc1`` then does not. So forward saves
+        fc2's weight for backward, and backward gathers nothing: the only backward use of
+        fc1's weight, the input's grad, is not needed (with ``REGATHER`` it gathers fc2's)."""
+        fw, bw = self.compile_two_layer()
+        nodes = {n.name: n for n in fw.graph.nodes}
+        saved = [tuple(nodes[name].meta["val"].shape) for name in saved_unsharded(fw)]
+        self.assertEqual(saved, [(4, 16)])
+        self.assertEqual([c for c in collective_sequence(bw) if c.startswith("all_gather")], [])
+        self.assertIn("all_gather_into_tensor[16, 8]", collective_sequence(fw))
 
     def test_partitioner_keeps_unsharded_params_without_resharding(self):
         fw, bw = self.compile_two_layer(reshard_after_forward=False)
@@ -56,7 +69,7 @@ class GraphTest(FakeGroupTestCase):
 
     @same_torch
     def test_snapshot_reshard_after_forward(self):
-        fw, bw = self.compile_two_layer(reshard_after_forward=True)
+        fw, bw = self.compile_two_layer(reshard_after_forward=True, comm_policy=REGATHER)
         self.assertExpectedInline(
             render(fw),
             """\
@@ -162,7 +175,8 @@ return (wait_tensor_5, wait_tensor_4, None, wait_tensor_3)""",
     @same_torch
     def test_snapshot_bf16_params_fp32_reduce(self):
         fw, bw = self.compile_two_layer(
-            mp_policy=fczero.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            mp_policy=fczero.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+            comm_policy=REGATHER,
         )
         self.assertExpectedInline(
             render(fw),

@@ -18,6 +18,7 @@ from torch._inductor.utils import run_and_get_code
 from torch.distributed.device_mesh import init_device_mesh
 
 import fczero
+from tests.cases import REGATHER
 from tests.models import ThreeBlocks, TwoLayer
 
 pytestmark = pytest.mark.slow
@@ -39,6 +40,7 @@ def test_inductor_code_gathers_in_forward_and_again_in_backward(fake_pg):
         mp_policy=fczero.MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         ),
+        comm_policy=REGATHER,
     )
     compiled = torch.compile(model, fullgraph=True)  # stock Inductor, no custom backend
 

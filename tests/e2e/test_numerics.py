@@ -12,7 +12,7 @@ import pytest
 
 from fczero.testing import parity
 from fczero.testing.distributed import run_on_ranks
-from tests.cases import BF16, BF16_MP, BF16_OPTS, FP32, Case, run_cases
+from tests.cases import BF16, BF16_MP, BF16_OPTS, FP32, REGATHER, Case, run_cases
 from tests.models import tiny_llama, token_batches
 
 CASES = {
@@ -22,6 +22,8 @@ CASES = {
         Case("llama"),
         Case("llama", "adamw"),
         Case("llama", options=(("reshard_after_forward", False),)),
+        # every gathered param freed after forward (the default keeps the last half)
+        Case("llama", "adamw", options=(("comm_policy", REGATHER),)),
         Case("mlp", backend="aot_eager"),
         Case("llama", backend="aot_eager"),
         Case("llama", "adamw", backend="aot_eager"),
@@ -37,6 +39,7 @@ CASES = {
             backend="aot_eager_with_passes",
             options=BF16_OPTS,
         ),
+        Case("llama", backend="aot_eager_with_passes", options=(("comm_policy", REGATHER),)),
     ],
     4: [
         Case("mlp"),

@@ -29,6 +29,7 @@ from fczero.runtime import resharding
 from fczero.testing import parity
 from fczero.testing.comm import CollectiveLog
 from fczero.testing.distributed import run_on_ranks
+from tests.cases import REGATHER
 from tests.models import TINY_LLAMA, mlp_batches, tiny_llama, token_batches
 
 
@@ -264,7 +265,7 @@ def test_tp_mesh_without_names_is_an_error(fake_pg):
 def test_eager_stage3_frees_tensor_parallel_params_after_forward(fake_pg, monkeypatch):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = _tp_model(mesh["tp"])
-    fczero.parallelize(model, mesh, axis="dp")
+    fczero.parallelize(model, mesh, axis="dp", comm_policy=REGATHER)
     refs = []
     original = resharding.ReshardScope.register
 

@@ -459,3 +459,35 @@ def _sharded_run(rank: int, world_size: int) -> bool:
 
 def test_sharded_dtensor_states_are_bitwise_equal_on_two_ranks():
     assert run_on_ranks(_sharded_run, 2) == [True, True]
+
+
+def test_offloading_states_frees_what_the_default_kept(fake_pg, caplog):
+    """[Note: the default kept bytes]: the default keeps the last half of a 2-rank model
+    gathered for backward; offloading the optimizer's states asks for the least device
+    memory, so those params are freed after forward again. A budget in bytes stays."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fczero.core.state import root_state
+    from tests.models import ThreeBlocks
+
+    def kept(model: nn.Module) -> list[str]:
+        return [p.spec.keep_unsharded for p in root_state(model).params]
+
+    model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)))
+    assert kept(model) == [False] * 4 + [True] * 3  # blocks.2 and the head
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with caplog.at_level(logging.INFO, logger="fczero"):
+        fczero.offload_optimizer_states(opt)
+    assert kept(model) == [False] * 7
+    assert "with offload_optimizer_states: none" in caplog.text
+    assert "with offload_optimizer_states" in root_state(model).kept.source
+    model(torch.randn(4, 512)).sum().backward()  # trains as pure stage 3
+    opt.step()
+
+    sized = fczero.parallelize(
+        ThreeBlocks(),
+        init_device_mesh("cpu", (2,)),
+        comm_policy=fczero.CommPolicy(keep_unsharded=512 * 8 * 4),  # the head
+    )
+    fczero.offload_optimizer_states(torch.optim.SGD(sized.parameters(), lr=0.01))
+    assert kept(sized) == [False] * 6 + [True]

@@ -34,12 +34,13 @@ def settings(**overrides) -> PassSettings:
 class ThreeBlocksGraphs(FakeGroupTestCase):
     """A fake process group of 2 per test; ``graphs(**options)`` parallelizes ``ThreeBlocks``
     with ``options``, compiles it without fczero's passes and returns its forward and
-    backward graphs."""
+    backward graphs. Every gathered param is freed after forward (``keep_unsharded=0``), so
+    backward regathers and the passes have backward gathers to move."""
 
     def graphs(self, **options) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         torch.manual_seed(0)
         model = fczero.parallelize(
-            ThreeBlocks(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(compile_passes=False), **options
+            ThreeBlocks(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(compile_passes=False, keep_unsharded=0), **options
         )
         backend = AotEagerAndRecordGraphs()
         torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 512)).sum().backward()

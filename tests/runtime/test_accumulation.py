@@ -18,6 +18,7 @@ from fczero.testing import parity
 from fczero.testing.distributed import gpu_world_size, run_on_ranks
 from fczero.testing.graphs import collective_sequence
 from tests.accumulation import accumulation_setup, train_accumulating
+from tests.cases import REGATHER
 from tests.models import TwoLayer
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
@@ -94,6 +95,8 @@ def test_nccl_accumulation_matches_one_large_batch():
 
 def _graphs(stage: int, sync: bool, **options):
     torch.manual_seed(0)
+    if stage == 3:
+        options.setdefault("comm_policy", REGATHER)  # the backward regather is what is looked at
     model = fczero.parallelize(TwoLayer(), init_device_mesh("cpu", (2,)), stage=stage, **options)
     backend = AotEagerAndRecordGraphs()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
@@ -144,7 +147,7 @@ def test_stage3_unsynced_forward_saves_no_unsharded_param(fake_pg):
     from fczero.testing.graphs import saved_unsharded
 
     torch.manual_seed(0)
-    model = fczero.parallelize(TwoLayer(), init_device_mesh("cpu", (2,)))
+    model = fczero.parallelize(TwoLayer(), init_device_mesh("cpu", (2,)), comm_policy=REGATHER)
     backend = AotEagerAndRecordGraphs()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     with fczero.no_sync(model):

@@ -42,7 +42,7 @@ def _step_log(model: torch.nn.Module) -> tuple[list[str], list[str]]:
 def test_collectives_per_bucket(fake_pg, bucket_bytes, forward, reduces, regathers):
     """Backward regathers the 4 saved weights (blocks.0-2, head: bucketed along the saved
     order, from the first step); forward gathers and reduces are bucketed from the second."""
-    model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(bucket_bytes=bucket_bytes))
+    model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(bucket_bytes=bucket_bytes, keep_unsharded=0))
     first_fwd, first_bwd = _step_log(model)  # records the order: one gather per param
     assert first_fwd.count("all_gather_into_tensor") == 7
     assert first_bwd.count("reduce_scatter_tensor") == 7
@@ -55,7 +55,10 @@ def test_collectives_per_bucket(fake_pg, bucket_bytes, forward, reduces, regathe
 
 
 def test_no_buckets_without_prefetch_or_bucket_bytes(fake_pg):
-    for options in (fczero.CommPolicy(prefetch=0), fczero.CommPolicy(bucket_bytes=0)):
+    for options in (
+        fczero.CommPolicy(prefetch=0, keep_unsharded=0),
+        fczero.CommPolicy(bucket_bytes=0, keep_unsharded=0),
+    ):
         model = fczero.parallelize(
             ThreeBlocks(), init_device_mesh("cpu", (2,)), comm_policy=options
         )
@@ -264,7 +267,7 @@ def test_per_step_copies_and_waits_follow_buckets_not_params(fake_pg, blocks):
 
     block_bytes = (16 * 16 + 16) * 4
     model = fczero.parallelize(
-        Blocks(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(bucket_bytes=block_bytes)
+        Blocks(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(bucket_bytes=block_bytes, keep_unsharded=0)
     )
     model(torch.randn(4, 16)).sum().backward()  # the first step records the order
     with _OpCount() as ops:

@@ -23,7 +23,11 @@ def _forward_log(model: torch.nn.Module) -> list[str]:
 
 
 def test_second_forward_gathers_a_block_ahead(fake_pg):
-    model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(bucket_bytes=PER_BLOCK))
+    model = fczero.parallelize(
+        ThreeBlocks(),
+        init_device_mesh("cpu", (2,)),
+        comm_policy=fczero.CommPolicy(bucket_bytes=PER_BLOCK, keep_unsharded=0),
+    )
     first = _forward_log(model)  # records the gather order: gathers interleave with matmuls
     assert first[:4] == [
         "all_gather_into_tensor",
@@ -54,7 +58,9 @@ def test_backward_regathers_a_layer_ahead(fake_pg):
     weight comes in the head's bucket, before the head's matmuls, and blocks.1's regather
     is issued before blocks.2's matmuls; nothing is gathered twice."""
     mesh = init_device_mesh("cpu", (2,))
-    model = fczero.parallelize(ThreeBlocks(), mesh, comm_policy=fczero.CommPolicy(bucket_bytes=PER_BLOCK))
+    model = fczero.parallelize(
+        ThreeBlocks(), mesh, comm_policy=fczero.CommPolicy(bucket_bytes=PER_BLOCK, keep_unsharded=0)
+    )
     ops = _backward_log(model)
     assert ops[:2] == ["all_gather_into_tensor", "mm"]  # the head's bucket (with blocks.2's)
     assert ops.count("all_gather_into_tensor") == 2
@@ -63,7 +69,9 @@ def test_backward_regathers_a_layer_ahead(fake_pg):
     second = ops.index("all_gather_into_tensor", 1)
     assert ops[second - 1 : second + 2] == ["reduce_scatter_tensor", "all_gather_into_tensor", "mm"]
     assert ops[second:].count("mm") == 5  # blocks.2's two, blocks.1's two, blocks.0's one
-    off = fczero.parallelize(ThreeBlocks(), mesh, comm_policy=fczero.CommPolicy(prefetch=0))
+    off = fczero.parallelize(
+        ThreeBlocks(), mesh, comm_policy=fczero.CommPolicy(prefetch=0, keep_unsharded=0)
+    )
     ops_off = _backward_log(off)
     assert ops_off[:2] == ["all_gather_into_tensor", "mm"]
     assert ops_off.count("all_gather_into_tensor") == 3

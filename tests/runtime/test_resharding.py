@@ -13,6 +13,7 @@ from fczero.comm import collectives
 from fczero.runtime import resharding
 from fczero.testing.comm import CollectiveLog
 from fczero.testing.distributed import pending_collectives, run_on_ranks
+from tests.cases import REGATHER
 from tests.models import TwoLayer
 
 
@@ -28,7 +29,10 @@ def test_eager_gather_is_async_collective_tensor(fake_pg):
 @pytest.mark.parametrize(("reshard", "regathers"), [(True, 1), (False, 0)])
 def test_backward_gathers_again_only_when_resharding(fake_pg, reshard, regathers):
     model = TwoLayer()
-    fczero.parallelize(model, init_device_mesh("cpu", (2,)), reshard_after_forward=reshard)
+    comm = REGATHER if reshard else fczero.CommPolicy()
+    fczero.parallelize(
+        model, init_device_mesh("cpu", (2,)), reshard_after_forward=reshard, comm_policy=comm
+    )
     with CollectiveLog() as fwd:
         loss = model(torch.randn(3, 8)).sum()
     with CollectiveLog() as bwd:
@@ -42,7 +46,7 @@ def test_backward_gathers_again_only_when_resharding(fake_pg, reshard, regathers
 
 def test_unsharded_params_are_freed_after_forward(fake_pg, monkeypatch):
     model = TwoLayer()
-    fczero.parallelize(model, init_device_mesh("cpu", (2,)))
+    fczero.parallelize(model, init_device_mesh("cpu", (2,)), comm_policy=REGATHER)
     refs = []
     original = resharding.ReshardScope.register
 

@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fczero
 from fczero.testing.graphs import collective_sequence, render, saved_unsharded
+from tests.cases import REGATHER
 from tests.models import TwoLayer
 
 
@@ -37,7 +38,7 @@ def test_collectives_come_in_program_order_with_their_shapes(fake_pg):
 
 
 def test_saved_unsharded_params_show_whether_forward_keeps_them(fake_pg):
-    fw, _ = _graphs()
+    fw, _ = _graphs(comm_policy=REGATHER)
     assert saved_unsharded(fw) == []  # stage 3: regathered in backward, nothing saved
     torch._dynamo.reset()
     fw, _ = _graphs(reshard_after_forward=False)
