@@ -84,8 +84,10 @@ def parallelize(
             all-reduced in buckets and each rank keeps its rows. Optimizer state is
             sharded in every stage.
         reshard_after_forward: stage 3 only. True: each unsharded param is freed after
-            forward and gathered again in backward (``comm_policy.keep_unsharded`` may
-            keep some). False: every param stays gathered from forward to backward.
+            forward and gathered again in backward, but for the last blocks that
+            ``comm_policy.keep_unsharded`` keeps (by default one shard's worth: the
+            model's unsharded bytes over the world size). False: every param stays
+            gathered from forward to backward.
         mp_policy: the dtypes to compute and reduce in (``fczero.MixedPrecisionPolicy``;
             FSDP2's ``MixedPrecisionPolicy`` is accepted too). None: the params' own.
         comm_policy: bucketing and prefetch of the collectives, params kept gathered
