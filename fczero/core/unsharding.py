@@ -127,31 +127,35 @@ def budget_of(
     if keep_unsharded != SHARD:
         return int(keep_unsharded), ""
     if offload is not None:
-        return 0, f"{_DEFAULT} with {offload}: none"
+        return 0, f"keep_unsharded='shard' with {offload}: none"
     total = sum(spec.unsharded_bytes(param) for _, param, spec in params)
     return total // world, (
-        f"{_DEFAULT}: {total / 2**20:.1f} MiB of unsharded params over {world} "
+        f"keep_unsharded='shard': {total / 2**20:.1f} MiB of unsharded params over {world} "
         f"rank{'s' if world > 1 else ''}"
     )
-
-
-_DEFAULT = "keep_unsharded='shard'"  # how a default plan's source starts
 
 
 def drop_default_plan(root: RootState, offload: str) -> None:
     """``offload`` (optimizer-state offload, set up after ``parallelize``) asks for the
     least device memory: the params the default kept are freed after forward again
     ([Note: the default kept bytes]). A plan the user sized is left alone."""
-    plan = root.kept
-    if plan is None or not plan.source.startswith(_DEFAULT) or not plan.ids:
+    if root.options.comm.keep_unsharded != SHARD or root.kept is None or not root.kept.ids:
         return
-    for state in root.params:
-        if state.spec.keep_unsharded:
-            state.spec = dataclasses.replace(state.spec, keep_unsharded=False)
-    if root.prefetch is not None:
-        root.prefetch.order = None  # it recorded the kept specs
-    root.kept = plan_kept_params([], 0, f"{_DEFAULT} with {offload}: none")
+    keep_exactly(root, frozenset())
+    root.kept = plan_kept_params([], 0, f"keep_unsharded='shard' with {offload}: none")
     logger.info("selective unsharding: %s", describe(root.kept))
+
+
+def keep_exactly(root: RootState, ids: frozenset[int]) -> None:
+    """Keep unsharded exactly the params of ``root`` whose ``id`` is in ``ids`` (a changed
+    param gets a replaced spec, which its module's getter and the compiled guards see)."""
+    for state in root.params:
+        keep = id(state.param) in ids
+        if state.spec.keep_unsharded != keep:
+            state.spec = dataclasses.replace(state.spec, keep_unsharded=keep)
+    # eager prefetch replays gathers with the specs it recorded: record anew
+    if root.prefetch is not None:
+        root.prefetch.order = None
 
 
 def plan_kept_params(
@@ -250,17 +254,12 @@ class AutoUnsharding:
         return plan_kept_params(params, spare, source)
 
     def _apply(self, ids: frozenset[int]) -> None:
-        """Mark the kept params in their states and modules; the next step uses them."""
+        """Keep the planned params (nothing was kept before: "auto" plans alone); the next
+        step uses them."""
         model = self.model()
         root = root_state(model) if model is not None else None
-        if root is None:
-            return
-        for state in root.params:
-            if id(state.param) in ids and not state.spec.keep_unsharded:
-                state.spec = dataclasses.replace(state.spec, keep_unsharded=True)
-        # eager prefetch replays gathers with the specs it recorded: record anew
-        if root.prefetch is not None:
-            root.prefetch.order = None
+        if root is not None:
+            keep_exactly(root, ids)
 
 
 def report_line(kept: KeptPlan | None, auto: AutoUnsharding | None) -> str | None:
