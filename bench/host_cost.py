@@ -25,6 +25,14 @@ of the round alike instead of one arm: on a 2-core machine, 16 blocks, the arms 
 after the other gave 0.97x to 2.12x of plain in five runs of two trees, interleaved (7
 rounds of 20 steps) 1.57x to 1.72x over four (docs/benchmarks.md). The plain arms then
 step with fczero's global optimizer hooks installed (about 30 us a step at 115 params).
+
+``--threads`` (default 1) sets torch's intra-op threads for the run. The toy's kernels are
+far too small to gain from a second thread, and on a 2-core machine a parallel region
+waits for whichever core is busy elsewhere: on a 2-core VM (16 blocks, 2026-11-26) the
+plain compiled arm took 5.3 to 9.0 ms a step over three runs with 2 threads, 3.8 to 4.9
+ms over four with one. One thread also makes the comparison stricter: the plain arm,
+whose step is mostly kernels, gains more from it than fczero's does (1.54-1.71x with 2
+threads, 1.69-1.78x with one, in those runs).
 """
 
 from __future__ import annotations
@@ -67,6 +75,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="timed steps per arm (median)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiling)")
     p.add_argument("--rounds", type=int, default=1, help="interleave the arms over R rounds")
+    p.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads (default 1; 0: leave torch's)"
+    )
     p.add_argument("--out", type=Path, help="write results.jsonl and results.md here")
     args = p.parse_args(argv)
     args.layers = [int(n) for n in args.layers.split(",") if n.strip()]
@@ -104,6 +115,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    threads = torch.get_num_threads()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     own_group = not dist.is_initialized()
     if own_group:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
@@ -111,6 +125,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         return _sweep(args, init_device_mesh(args.device, (args.world,)))
     finally:
         torch._dynamo.reset()
+        torch.set_num_threads(threads)
         if own_group:
             dist.destroy_process_group()
 
@@ -214,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         (args.out / "results.md").write_text(
-            f"# Host cost, torch {torch.__version__}, backend {args.backend}\n\n{text}"
+            f"# Host cost, torch {torch.__version__}, backend {args.backend},"
+            f" {args.threads or torch.get_num_threads()} intra-op thread(s)\n\n{text}"
         )
     return 0
 

@@ -237,16 +237,6 @@ class ParamState:
             leaf.register_post_accumulate_grad_hook(partial(_grad_arrived, weakref.ref(self)))
         return leaf
 
-    def _grad_arrived(self, leaf: torch.Tensor) -> None:
-        grad, leaf.grad = leaf.grad, None
-        if grad is None:  # (a backward that reduced nothing: the grad went to ``acc``)
-            return
-        param = self.param
-        if param.grad is None:
-            param.grad = sharded_grad(grad, param._spec)
-        else:  # accumulated over steps without zero_grad, as AccumulateGrad would
-            param.grad._local_tensor.add_(grad)
-
     def gather_eagerly(self, spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
         """The eager gather (``ShardSpec.unshard`` calls it outside compiled graphs): through
         the eager context of this param's root's running forward (its prefetch, reshard
@@ -301,10 +291,20 @@ def _reused_out_of_pool(state: weakref.ref) -> None:
 
 def _grad_arrived(state: weakref.ref, leaf: torch.Tensor) -> None:
     """The leaf's hook: hand its grad to the sharded param ([Note: what a compiled graph
-    differentiates]), if the param's state still exists."""
+    differentiates]), if the param's state still exists. One frame per param and
+    backward, so the body is inline: this hook runs for every param on every step."""
     target = state()
-    if target is not None:
-        target._grad_arrived(leaf)
+    if target is None:
+        return
+    grad, leaf.grad = leaf.grad, None
+    if grad is None:  # (a backward that reduced nothing: the grad went to ``acc``)
+        return
+    param = target.param
+    held = param.grad
+    if held is None:
+        param.grad = sharded_grad(grad, param._spec)
+    else:  # accumulated over steps without zero_grad, as AccumulateGrad would
+        held._local_tensor.add_(grad)
 
 
 #: Sharded param -> weak reference to its state (for the optimizer hooks). Both weak: the

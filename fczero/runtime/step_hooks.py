@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
+from itertools import chain
+from operator import is_
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,11 +63,11 @@ def one_step_in_parts(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 def _states_of(optimizer: torch.optim.Optimizer) -> list[ParamState]:
     """The fczero params ``optimizer`` holds, looked up again (and checked for params that
     ``parallelize`` replaced) only when its params change."""
-    params = tuple(p for group in optimizer.param_groups for p in group["params"])
+    params = tuple(chain.from_iterable(group["params"] for group in optimizer.param_groups))
     record = OptimizerState.of(optimizer)
     # (the record holds its params alive, so identity cannot be reused by another tensor;
     # the states are held weakly: the model alone keeps them alive)
-    if len(record.params) == len(params) and all(a is b for a, b in zip(record.params, params)):
+    if len(record.params) == len(params) and all(map(is_, record.params, params)):
         states = [ref() for ref in record.states]
         if None not in states:
             return states

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -96,14 +97,27 @@ def test_cuda_graph_arms_compare_with_the_cuda_graph_floor() -> None:
 
 def test_host_cost_smoke_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The host-cost bench on the fake process group: two sizes, every arm, ratios to plain;
-    every plain arm runs before the others (which install fczero's step hooks), and the
-    table keeps the order asked for."""
+    every plain arm runs before the others (which install fczero's step hooks), the table
+    keeps the order asked for, and the arms are timed on one intra-op thread."""
     from bench import host_cost
 
     arms = ",".join(host_cost.ARMS)  # the default sweep and FSDP2 eager
-    with caplog.at_level(logging.INFO, logger="fczero.bench"):
+    threads = torch.get_num_threads()
+    seen_threads: list[int] = []
+    real_phases = host_cost.time_phases
+
+    def phases(*args, **kwargs):
+        seen_threads.append(torch.get_num_threads())
+        return real_phases(*args, **kwargs)
+
+    with (
+        caplog.at_level(logging.INFO, logger="fczero.bench"),
+        mock.patch.object(host_cost, "time_phases", phases),
+    ):
         argv = ["--layers", "1,2", "--backend", "aot_eager", "--steps", "3", "--arms", arms]
         records = host_cost.run(host_cost.parse_args(argv))
+    # one intra-op thread while timing (``--threads`` default), the caller's count after
+    assert set(seen_threads) == {1} and torch.get_num_threads() == threads
     ran = [m.split(",")[0] for m in caplog.messages if "host ms/step" in m]
     assert ran[:4] == ["plain-eager", "plain-compiled"] * 2 and "plain" not in "".join(ran[4:])
     assert [(r["layers"], r["arm"]) for r in records] == [

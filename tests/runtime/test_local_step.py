@@ -137,7 +137,8 @@ def test_an_optimizer_with_other_params_steps_dtensors():
 
 def _kept_view(rank: int, world: int) -> None:
     """The local view is built once and kept while the optimizer holds the same objects;
-    a state loaded or replaced between steps is seen (the steps match DTensor's own)."""
+    a state loaded or replaced between steps, or a param's state dict replaced by a copy,
+    is seen (the steps match DTensor's own)."""
 
     def run(make):
         torch.manual_seed(0)
@@ -156,6 +157,9 @@ def _kept_view(rank: int, world: int) -> None:
         with torch.no_grad():
             opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"] * 0.5  # a new DTensor value
         train_steps(model, opt, 1, between)
+        opt.state[p] = dict(opt.state[p])  # a new dict holding the same values
+        train_steps(model, opt, 1, between)
+        train_steps(model, opt, 1, between)  # nothing changed since: the view is kept
         return model, opt, views
 
     model, opt, views = run(OPTIMIZERS["adamw-fused"])
@@ -163,6 +167,7 @@ def _kept_view(rank: int, world: int) -> None:
     # step 1 made the states (on DTensors), so step 2 built the view again; step 3 kept it
     assert None not in views and views[1] is not views[0] and views[2] is views[1]
     assert views[3] is not views[2] and views[4] is not views[3]
+    assert views[5] is not views[4] and views[6] is views[5]
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(p.to_local(), q.to_local())
         if p.requires_grad:
