@@ -75,7 +75,6 @@ class _Entry:
 
     states: dict  # the optimizer's own state dict of the param (DTensor values)
     local: dict  # the same keys, each DTensor value replaced by its local tensor
-    local_values: tuple  # ``local``'s values after the last step (a step that replaces one is seen)
 
 
 @dataclass
@@ -162,7 +161,7 @@ def _build(
         if any(isinstance(v, DTensor) and not _same_layout(v, p) for v in states.values()):
             return None
         local = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in states.items()}
-        entries.append(_Entry(states, local, tuple(local.values())))
+        entries.append(_Entry(states, local))
         local_state[p._local_tensor] = local
     local_dicts = tuple(e.local for e in entries if e is not None)
     return _View(
@@ -256,10 +255,11 @@ def restore(optimizer: torch.optim.Optimizer) -> None:
     for group, own in zip(optimizer.param_groups, view.groups):
         group["params"] = own
     optimizer.state = view.state
-    _set_grads(view.locals_, repeat(None, len(view.locals_)))
+    _set_grads(view.locals_, repeat(None))
     if not _values_unchanged(view.local_dicts, view.local_values):
+        # (rare: each entry writes back only the values that differ from its DTensor's)
         for p, entry in zip(view.params, view.entries):
-            if entry is not None and not _same_values(entry.local, entry.local_values):
+            if entry is not None:
                 _write_back(p, entry)
         view.values = _flat_values(view.dicts)
         view.local_values = _flat_values(view.local_dicts)
@@ -271,15 +271,9 @@ def restore(optimizer: torch.optim.Optimizer) -> None:
                 view.state[p] = {k: _as_state_of(p, v, None) for k, v in made.items()}
 
 
-def _same_values(d: dict, values: tuple) -> bool:
-    """``d`` holds exactly ``values`` (the same objects, in order)."""
-    return _same_objects(d.values(), values, len(d))
-
-
 def _write_back(param: DTensor, entry: _Entry) -> None:
-    """A step replaced or added a state value: give the optimizer's dict its DTensor (or
-    plain) counterpart, and remember the local dict's values as they are now (``restore``
-    refreshes the view's flat sequences)."""
+    """Give the optimizer's dict the DTensor (or plain) counterpart of each state value the
+    step replaced or added (``restore`` then refreshes the view's flat sequences)."""
     for key, value in entry.local.items():
         before = entry.states.get(key)
         if (
@@ -287,7 +281,6 @@ def _write_back(param: DTensor, entry: _Entry) -> None:
             and value is not before
         ):
             entry.states[key] = _as_state_of(param, value, before)
-    entry.local_values = tuple(entry.local.values())
 
 
 def _as_state_of(param: DTensor, value: object, before: object) -> object:

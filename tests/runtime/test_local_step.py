@@ -180,3 +180,35 @@ def _kept_view(rank: int, world: int) -> None:
 
 def test_the_local_view_is_kept_and_built_again_when_the_optimizer_changes():
     run_on_ranks(_kept_view, 2)
+
+
+def _replacing_step(rank: int, world: int) -> None:
+    """A local step that replaces a state value (here a pre-hook of the optimizer's own,
+    which runs inside the swap) hands the optimizer a DTensor around the new local tensor,
+    and the view, refreshed, is kept for the next step."""
+    torch.manual_seed(0)
+    model = UnevenTiedMLP()
+    fczero.parallelize(model, init_device_mesh("cpu", (2,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    p = next(p for p in model.parameters() if p.requires_grad and p.dim() == 2)
+    train_steps(model, opt, 2)  # states made, then the first local step
+    replaced = []
+
+    def replace(optimizer, *_):
+        local = optimizer.state[p._local_tensor]  # the local step's mapping
+        local["exp_avg"] = local["exp_avg"].clone()
+        replaced.append(local["exp_avg"])
+
+    handle = opt.register_step_pre_hook(replace)
+    train_steps(model, opt, 1)
+    handle.remove()
+    value = opt.state[p]["exp_avg"]
+    assert isinstance(value, DTensor) and value.placements == p.placements
+    assert value._local_tensor.data_ptr() == replaced[0].data_ptr()  # (``from_local``'s alias)
+    view = OptimizerState.of(opt).view
+    train_steps(model, opt, 1)
+    assert view is not None and OptimizerState.of(opt).view is view
+
+
+def test_a_state_value_the_step_replaces_is_written_back():
+    run_on_ranks(_replacing_step, 2)
