@@ -5,6 +5,7 @@
 #   bash bench/gpu_checks.sh                 # GPU tests only
 #   CPU_SUITE=1 bash bench/gpu_checks.sh     # and the CPU suite (pytest-xdist, WORKERS=8 workers)
 #   GPU_TESTS=tests/test_gpu.py CPU_TESTS=tests/test_train.py ...   # subsets of either
+#   FCZERO_GPU_RANKS=4 bash bench/gpu_checks.sh   # the NCCL tests over 4 GPUs (default 2)
 #
 # The machine has no package registry: test-only packages come as wheels carried in .whl/
 # (expecttest at the top, transformers and pytest-xdist with their needs in .whl/hf/), installed

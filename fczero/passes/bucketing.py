@@ -70,7 +70,7 @@ from fczero.passes.matching import Collective, find_gathers, find_reduces
 
 logger = logging.getLogger("fczero")
 
-_CHUNK_CAT = chunk_cat._opoverload  # torch.ops.fczero.chunk_cat.default
+_CHUNK_CAT = chunk_cat
 _MIN_BUCKET = 1 << 20  # 1 MiB: a lone norm weight is not worth its own collective
 
 

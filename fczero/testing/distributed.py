@@ -68,12 +68,22 @@ def pending_collectives() -> int:
     return size() if size is not None else 0
 
 
-def gpu_world_size(wanted: int = 2) -> int:
-    """Ranks for a NCCL test: ``wanted``, or fewer on a machine with fewer GPUs (NCCL takes
-    one GPU per rank). On one GPU the collectives have a single member, yet the compiled
-    CUDA graphs, the custom ops and the numerics against the reference still run."""
+def gpu_world_size(wanted: int | None = None) -> int:
+    """Ranks for a NCCL test: ``wanted`` (default: ``FCZERO_GPU_RANKS``, else 2), or fewer
+    on a machine with fewer GPUs (NCCL takes one GPU per rank). On one GPU the collectives
+    have a single member, yet the compiled CUDA graphs, the custom ops and the numerics
+    against the reference still run. ``FCZERO_GPU_RANKS=4`` runs the same tests over 4
+    GPUs (the parity batches split evenly over 1, 2, 4 and 8 ranks)."""
     import torch
 
+    if wanted is None:
+        text = os.environ.get("FCZERO_GPU_RANKS", "2")
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(
+                f"FCZERO_GPU_RANKS={text!r}: set it to a whole number of ranks, 1 or more "
+                "(or unset it for 2)"
+            )
+        wanted = int(text)
     return min(wanted, torch.cuda.device_count())
 
 

@@ -55,6 +55,7 @@ def test_chunk_cat_lays_out_each_ranks_rows_of_every_grad_together(device):
     a = torch.arange(12.0, device=device).view(4, 3)
     b = torch.tensor([100.0, 200.0], device=device)
     table = torch.ops.fczero.chunk_cat([a, b], 2)
+    torch.library.opcheck(torch.ops.fczero.chunk_cat.default, ([a, b], 2))
     expected = torch.cat([a.view(2, -1), b.view(2, -1)], dim=1)
     assert table.shape == (2, 7) and torch.equal(table, expected)
     assert table[1].tolist() == [6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 200.0]

@@ -1,5 +1,5 @@
-"""The parity tests under NCCL on two CUDA GPUs (one rank on a machine with one GPU; skipped
-without CUDA).
+"""The parity tests under NCCL on two CUDA GPUs (one rank on a machine with one GPU, and
+``FCZERO_GPU_RANKS`` ranks where it is set; skipped without CUDA).
 
 The reference trains on ``cuda:0`` in this process. fp32 tolerance here is rtol 1e-4 /
 atol 1e-5: cuBLAS picks its kernels by shape, and each rank multiplies half the
