@@ -70,7 +70,6 @@ from fczero.passes.matching import Collective, find_gathers, find_reduces
 
 logger = logging.getLogger("fczero")
 
-_CHUNK_CAT = chunk_cat
 _MIN_BUCKET = 1 << 20  # 1 MiB: a lone norm weight is not worth its own collective
 
 
@@ -196,7 +195,7 @@ def _merge_reduces(graph: fx.Graph, fake_mode, bucket: list[Collective]) -> None
         grads = [_contiguous(graph, fake_mode, c.input) for c in bucket]
         sizes = [g.meta["val"].numel() // world for g in grads]  # each rank's part
         if _copied_in_one_op(bucket):  # [Note: one copy-in per bucket]
-            table = insert(graph, fake_mode, _CHUNK_CAT, (grads, world), like=last)
+            table = insert(graph, fake_mode, chunk_cat, (grads, world), like=last)
         else:
             rows = [
                 insert(graph, fake_mode, aten.view.default, (g, [world, -1]), like=c.node)
