@@ -1,9 +1,11 @@
 """Run a function on N local processes with a real process group (gloo on CPU, NCCL on GPUs).
 
-``run_on_ranks(fn, world_size, *args)`` starts one fresh process per rank (spawn:
-no state of the caller's is inherited, at the cost of importing torch in each), joins a process group through a file store, calls ``fn(rank, world_size, *args)``
-and returns every rank's result, in rank order. A failure on any rank raises in
-the caller with that rank's traceback; a rank that does not finish within
+``run_on_ranks(fn, world_size, *args)`` starts one fresh process per rank, joins a
+process group through a file store, calls ``fn(rank, world_size, *args)`` and returns
+every rank's result, in rank order. No state of the caller's is inherited: gloo ranks
+are forked from a server process that has imported torch and fczero and done nothing
+else ([Note: ranks from a fork server]); NCCL ranks are spawned. A failure on any rank
+raises in the caller with that rank's traceback; a rank that does not finish within
 ``timeout_s`` is killed and reported, so a hang fails the test instead of CI. A rank
 counts by the result it wrote, not its exit code (see the note in ``_child``), and
 fails if it leaves a functional collective unwaited.
@@ -21,7 +23,9 @@ from datetime import timedelta
 from typing import Any
 
 
-def _child(fn, rank, world_size, args, backend, workdir, timeout_s):  # pragma: no cover - child
+def _child(fn, rank, world_size, args, backend, workdir, timeout_s, env):  # pragma: no cover
+    os.environ.clear()  # the caller's environment now, not the fork server's when it started
+    os.environ.update(env)
     import torch
     import torch.distributed as dist
 
@@ -87,6 +91,30 @@ def gpu_world_size(wanted: int | None = None) -> int:
     return min(wanted, torch.cuda.device_count())
 
 
+# [Note: ranks from a fork server]
+# A spawned rank starts a new interpreter and imports torch and fczero: about 5 s of a
+# 2-core machine for two ranks that do nothing, which most multi-rank tests would spend
+# again. multiprocessing's fork server imports them once (the preload below) and forks
+# each rank from that process, which has run nothing else: a rank still inherits none of
+# the caller's state (its modules, monkeypatches, process groups, compiled code), and it
+# is ready in a fraction of a second. The environment is the caller's at each call (set
+# again in ``_child``), though modules the server imported read theirs at import.
+# Only gloo ranks are forked: a NCCL rank needs CUDA, which must not be touched before a
+# fork, so those are spawned as before. Importing torch starts an OpenMP pool in the
+# server; a forked rank builds its own when it first computes in parallel (checked: two
+# threads per rank, as spawned).
+_PRELOAD = ["torch", "torch.distributed.tensor", "torch._inductor.compile_fx", "fczero"]
+
+
+def _context(backend: str) -> mp.context.BaseContext:
+    """The multiprocessing context ranks of ``backend`` start from (see the note above)."""
+    if backend != "gloo" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")  # (multiprocessing keeps one per method)
+    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts, the first time
+    return ctx
+
+
 def run_on_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -95,12 +123,13 @@ def run_on_ranks(
     timeout_s: float = 300.0,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results."""
-    ctx = mp.get_context("spawn")  # (multiprocessing keeps one per method)
+    ctx = _context(backend)
+    env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="fczero-ranks-") as workdir:
         procs = [
             ctx.Process(
                 target=_child,
-                args=(fn, rank, world_size, args, backend, workdir, timeout_s),
+                args=(fn, rank, world_size, args, backend, workdir, timeout_s, env),
                 daemon=False,
             )
             for rank in range(world_size)

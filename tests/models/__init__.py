@@ -1,5 +1,5 @@
 """Small models the tests share, their batches, and ``train_steps`` (a few optimizer steps
-on random inputs for the 5-input models); all importable by spawned ranks."""
+on random inputs for the 5-input models); all importable by the ranks' processes."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The multi-process test runner (``fczero.testing.distributed.run_on_ranks``) reports
 every rank: a crash on one rank usually shows on its peer as a broken connection, so the
-peer's error alone would hide the cause. The NCCL tests' rank count
+peer's error alone would hide the cause. A rank starts with none of the caller's state
+but the caller's environment at the call. The NCCL tests' rank count
 (``gpu_world_size``) follows ``FCZERO_GPU_RANKS`` up to the GPUs there are."""
 
 from __future__ import annotations
@@ -25,6 +26,33 @@ def test_every_failing_rank_is_reported():
     message = str(info.value)
     assert "rank 0 failed:" in message and "ValueError: rank 0's own error" in message
     assert "rank 1 exited with code 3 and left no result" in message
+
+
+#: Set by the test below in the caller only: a rank that inherited the caller's modules
+#: would see it.
+CALLER_ONLY = None
+
+
+def _what_a_rank_sees(rank: int, world_size: int) -> tuple:
+    import fczero.testing.distributed as runner
+
+    return (
+        CALLER_ONLY,
+        os.environ.get("FCZERO_TEST_MARK"),
+        hasattr(runner, "caller_was_here"),
+        torch.distributed.get_rank(),
+    )
+
+
+def test_a_rank_sees_the_callers_environment_and_none_of_its_state(monkeypatch):
+    import fczero.testing.distributed as runner
+
+    monkeypatch.setattr(f"{__name__}.CALLER_ONLY", "caller")
+    monkeypatch.setattr(runner, "caller_was_here", True, raising=False)
+    for mark in ("first", "second"):  # a rank forked later sees the environment of then
+        monkeypatch.setenv("FCZERO_TEST_MARK", mark)
+        seen = run_on_ranks(_what_a_rank_sees, 2, timeout_s=60)
+        assert seen == [(None, mark, False, 0), (None, mark, False, 1)]
 
 
 def test_gpu_ranks_follow_the_environment_up_to_the_gpus_there_are(monkeypatch):
