@@ -2,13 +2,13 @@
 
 ``run_on_ranks(fn, world_size, *args)`` starts one fresh process per rank, joins a
 process group through a file store, calls ``fn(rank, world_size, *args)`` and returns
-every rank's result, in rank order. No state of the caller's is inherited: gloo ranks
-are forked from a server process that has imported torch and fczero and done nothing
-else ([Note: ranks from a fork server]); NCCL ranks are spawned. A failure on any rank
-raises in the caller with that rank's traceback; a rank that does not finish within
-``timeout_s`` is killed and reported, so a hang fails the test instead of CI. A rank
-counts by the result it wrote, not its exit code (see the note in ``_child``), and
-fails if it leaves a functional collective unwaited.
+every rank's result, in rank order. No state of the caller's is inherited: on a CPU
+build of torch the ranks are forked from a server process that has imported torch and
+fczero and done nothing else ([Note: ranks from a fork server]); with CUDA they are
+spawned. A failure on any rank raises in the caller with that rank's traceback; a rank
+that does not finish within ``timeout_s`` is killed and reported, so a hang fails the
+test instead of CI. A rank counts by the result it wrote, not its exit code (see the
+note in ``_child``), and fails if it leaves a functional collective unwaited.
 """
 
 from __future__ import annotations
@@ -99,16 +99,23 @@ def gpu_world_size(wanted: int | None = None) -> int:
 # the caller's state (its modules, monkeypatches, process groups, compiled code), and it
 # is ready in a fraction of a second. The environment is the caller's at each call (set
 # again in ``_child``), though modules the server imported read theirs at import.
-# Only gloo ranks are forked: a NCCL rank needs CUDA, which must not be touched before a
-# fork, so those are spawned as before. Importing torch starts an OpenMP pool in the
-# server; a forked rank builds its own when it first computes in parallel (checked: two
-# threads per rank, as spawned).
+# Only a CPU build of torch forks its ranks. With a CUDA build a forked rank cannot use
+# CUDA at all, gloo or not: on an H100 with torch 2.11 the preload left the driver's
+# library loaded in the server, every forked rank that touched CUDA failed ("Cannot
+# re-initialize CUDA in forked subprocess"), and gloo ranks failed too, since torch's
+# optimizer step asks CUDA about graph capture wherever a GPU is. So a CUDA build spawns
+# every rank, as before. Importing torch starts an
+# OpenMP pool in the server; a forked rank builds its own when it first computes in
+# parallel (checked: two threads per rank, as spawned).
 _PRELOAD = ["torch", "torch.distributed.tensor", "torch._inductor.compile_fx", "fczero"]
 
 
 def _context(backend: str) -> mp.context.BaseContext:
     """The multiprocessing context ranks of ``backend`` start from (see the note above)."""
-    if backend != "gloo" or "forkserver" not in mp.get_all_start_methods():
+    import torch
+
+    forkable = backend == "gloo" and not torch.backends.cuda.is_built()
+    if not forkable or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")  # (multiprocessing keeps one per method)
     ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts, the first time

@@ -68,3 +68,13 @@ def test_gpu_ranks_follow_the_environment_up_to_the_gpus_there_are(monkeypatch):
         monkeypatch.setenv("FCZERO_GPU_RANKS", bad)
         with pytest.raises(ValueError, match="FCZERO_GPU_RANKS"):
             gpu_world_size()
+
+
+def test_ranks_are_forked_only_on_a_cpu_build_of_torch(monkeypatch):
+    from fczero.testing import distributed
+
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
+    assert distributed._context("gloo").get_start_method() == "forkserver"
+    assert distributed._context("nccl").get_start_method() == "spawn"
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)  # forked CUDA would fail
+    assert distributed._context("gloo").get_start_method() == "spawn"
