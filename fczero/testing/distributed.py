@@ -104,9 +104,9 @@ def gpu_world_size(wanted: int | None = None) -> int:
 # library loaded in the server, every forked rank that touched CUDA failed ("Cannot
 # re-initialize CUDA in forked subprocess"), and gloo ranks failed too, since torch's
 # optimizer step asks CUDA about graph capture wherever a GPU is. So a CUDA build spawns
-# every rank, as before. Importing torch starts an
-# OpenMP pool in the server; a forked rank builds its own when it first computes in
-# parallel (checked: two threads per rank, as spawned).
+# every rank, as before. Importing torch starts an OpenMP pool in the server; a forked
+# rank builds its own when it first computes in parallel (checked: two threads per rank,
+# as spawned).
 _PRELOAD = ["torch", "torch.distributed.tensor", "torch._inductor.compile_fx", "fczero"]
 
 
