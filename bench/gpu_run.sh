@@ -42,7 +42,15 @@ export PYTHONPATH="$PWD:$PYTHONPATH"
     nvidia-smi -L
     python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
     python3 -c 'import deepspeed; print("deepspeed", deepspeed.__version__)' 2>&1 | tail -1
-    git rev-parse --short HEAD 2>/dev/null || echo "commit: unknown (no .git here)"
+    # the commit bench.run records: --commit's when given (a copied tree's .git can be stale)
+    given=""; prev=""
+    for arg in "$@"; do
+        [ "$prev" = --commit ] && given="$arg"
+        case "$arg" in --commit=*) given="${arg#--commit=}" ;; esac
+        prev="$arg"
+    done
+    if [ -n "$given" ]; then echo "commit: $given (--commit)"
+    else echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo 'unknown (no .git here)') (git)"; fi
 } 2>&1 | tee -a "$OUT/env.txt"
 
 extra=()
