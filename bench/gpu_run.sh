@@ -6,7 +6,8 @@
 #
 # Knobs (environment): OUT (default out/gpu), NPROC (2), ARMS (all), SKIP (""), REGIMES ("C M"),
 # STEPS (10 timed), WARMUP (5; DeepCompile takes 8), ARM_TIMEOUT (180 s), PROFILE (0; 1 adds a
-# torch.profiler trace per arm, tarred into traces.tgz). Extra arguments go to bench.run.
+# torch.profiler trace per arm, tarred into traces.tgz). Extra arguments go to bench.run;
+# pass --commit: a copied tree's git may be stale, and results.md records the commit given.
 # Each regime is its own torchrun, so a regime that dies leaves the other's results; every arm's
 # JSON line is written as soon as it finishes. Files in $OUT: results.jsonl, results.md,
 # results.png, log_C.txt, log_M.txt, env.txt (and traces.tgz with PROFILE=1).
@@ -42,15 +43,6 @@ export PYTHONPATH="$PWD:$PYTHONPATH"
     nvidia-smi -L
     python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
     python3 -c 'import deepspeed; print("deepspeed", deepspeed.__version__)' 2>&1 | tail -1
-    # the commit bench.run records: --commit's when given (a copied tree's .git can be stale)
-    given=""; prev=""
-    for arg in "$@"; do
-        [ "$prev" = --commit ] && given="$arg"
-        case "$arg" in --commit=*) given="${arg#--commit=}" ;; esac
-        prev="$arg"
-    done
-    if [ -n "$given" ]; then echo "commit: $given (--commit)"
-    else echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo 'unknown (no .git here)') (git)"; fi
 } 2>&1 | tee -a "$OUT/env.txt"
 
 extra=()
