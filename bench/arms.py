@@ -298,6 +298,18 @@ def build_fczero_cuda_graphs(ctx: ArmContext) -> Arm:
     return _fczero(ctx, compiled=True, mode=CUDA_GRAPHS)
 
 
+def build_fczero_eager_units(ctx: ArmContext) -> Arm:
+    return _fczero(ctx, compiled=False, units="auto")
+
+
+def build_fczero_compiled_units(ctx: ArmContext) -> Arm:
+    return _fczero(ctx, compiled=True, units="auto")
+
+
+def build_fczero_cuda_graphs_units(ctx: ArmContext) -> Arm:
+    return _fczero(ctx, compiled=True, mode=CUDA_GRAPHS, units="auto")
+
+
 def build_fczero_cuda_graphs_auto(ctx: ArmContext) -> Arm:
     """CUDA graphs with ``keep_unsharded="auto"``: blocks stay gathered from forward to
     backward where the memory budget has room (planned after the second step)."""
@@ -652,6 +664,22 @@ ARMS: dict[str, ArmSpec] = {
         ),
         ArmSpec(name="fczero-compiled", label="fczero compiled", build=build_fczero_compiled),
         ArmSpec(
+            name="fczero-eager-units",
+            label="fczero eager, units='auto'",
+            build=build_fczero_eager_units,
+        ),
+        ArmSpec(
+            name="fczero-compiled-units",
+            label="fczero compiled, units='auto'",
+            build=build_fczero_compiled_units,
+        ),
+        ArmSpec(
+            name="fczero-cudagraphs-units",
+            label="fczero compiled, CUDA graphs, units='auto'",
+            build=build_fczero_cuda_graphs_units,
+            needs_cuda=True,
+        ),
+        ArmSpec(
             name="fczero-cudagraphs",
             label="fczero compiled, CUDA graphs (reduce-overhead)",
             build=build_fczero_cuda_graphs,
@@ -793,6 +821,10 @@ GROUPS: dict[str, list[str]] = {
         "fczero-eager", "fczero-nopasses", "fczero-compiled", "fczero-cudagraphs", "fczero-256mib"
     ],  # fmt: skip
     "cudagraphs": ["floor-cudagraphs", "fczero-cudagraphs"],
+    "units": [
+        "floor", "floor-cudagraphs", "fczero-compiled", "fczero-compiled-units",
+        "fczero-cudagraphs", "fczero-cudagraphs-units", "fczero-eager", "fczero-eager-units",
+    ],  # fmt: skip
     "unshard": [
         "fczero-regather", "fczero-unshard-512mib", "fczero-keep-all",
         "fczero-keep-all-cudagraphs", "fczero-auto-cudagraphs",

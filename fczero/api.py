@@ -28,6 +28,8 @@ from fczero.passes import registry
 from fczero.passes.install import install
 from fczero.runtime import guards, stages, step_hooks
 from fczero.runtime import prefetch as eager_prefetch
+from fczero.runtime import units as gather_units
+from fczero.runtime.units import UnitSpec
 from fczero.runtime.wiring import wire_module
 
 logger = logging.getLogger("fczero")
@@ -37,7 +39,7 @@ __all__ = ["parallelize", "is_parallelized"]
 #: parallelize's keyword options, as its signature declares them (for error messages).
 OPTION_NAMES = [
     "stage", "reshard_after_forward", "mp_policy", "comm_policy", "offload_policy",
-    "memory_budget", "axis", "replicate_axis", "check_policy", "init_fn", "meta_init",
+    "memory_budget", "axis", "replicate_axis", "check_policy", "init_fn", "meta_init", "units",
 ]  # fmt: skip
 
 
@@ -56,6 +58,7 @@ def parallelize(
     check_policy: CheckPolicy | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
     meta_init: str = "module",
+    units: UnitSpec = None,
     **deprecated: object,
 ) -> nn.Module:
     """Shard every parameter of ``model`` over ``mesh`` (ZeRO stage 3 by default), in place.
@@ -116,6 +119,12 @@ def parallelize(
             ``"shard"`` (each rank allocates and initializes only its shards, so no whole
             param ever exists; random values then differ from a whole init as
             ``fczero/core/meta_init.py`` says).
+        units: which modules gather their params as a whole when their forward begins
+            ([Note: units] in ``fczero/runtime/units.py``). ``"auto"``: each block (a
+            child of the outermost ``nn.ModuleList``/``nn.Sequential``) and the root, for
+            everything else. A list of modules or module classes: those, and the root.
+            ``None``: each read gathers on its own, which is rank-safe only when every
+            rank reads the same params in the same order (no data-dependent branches).
         **deprecated: the options of earlier versions (``param_dtype``, ``bucket_bytes``,
             ``offload_params``, ...) still work and warn with their new spelling
             (docs/api.md lists them).
@@ -142,6 +151,7 @@ def parallelize(
         others=deprecated,
         known=OPTION_NAMES,
     )
+    unit_paths = gather_units.unit_paths(model, units)  # (checks ``units`` before any change)
     layout = resolve_mesh(mesh, options.axis, options.replicate_axis)
     dp_mesh = layout.shard_mesh
     owners = _validate_model(model, layout)
@@ -210,7 +220,7 @@ def parallelize(
         module._parameters[name] = specs_by_param[id(param)][0]
         wiring.setdefault(module, []).append(name)
     for module, names in wiring.items():
-        wire_module(module, names)
+        wire_module(module, names, in_units=bool(unit_paths))  # (the root's unit takes the rest)
     root = stages.attach(
         model,
         [(originals[key], *specs_by_param[key]) for key in specs_by_param],
@@ -247,9 +257,17 @@ def parallelize(
     window = 0 if options.check is not None else comm.bucket_bytes * comm.prefetch
     root.prefetch = eager_prefetch.EagerPrefetch(window, comm.bucket_bytes)
     if options.check is not None:
-        root.eager_log = consistency.EagerLog(group_name, options.check.timeout_s)
+        first_name = {id(p): n for n, p in params}
+        name_of = {id(sh): first_name[key] for key, (sh, _) in specs_by_param.items()}
+        named = {}  # the names a mismatch is reported with, by sharded param and by leaf
+        for state in root.params:
+            named[id(state.param)] = named[id(state.leaf)] = name_of.get(id(state.param), "a param")
+        root.eager_log = consistency.EagerLog(group_name, options.check.timeout_s, named)
     model.register_forward_pre_hook(_root_pre_forward, with_kwargs=True)
     model.register_forward_hook(_root_post_forward, always_call=True)
+    if unit_paths:  # after the root's hooks: its unit gathers inside the forward's context
+        states = {id(state.param): state for state in root.params}
+        gather_units.install(model, gather_units.build_units(model, units, states))
     logger.info(
         "parallelized %s: %d params over %d ranks%s (%s)",
         type(model).__name__,

@@ -15,6 +15,7 @@ import torch
 
 import fczero
 from fczero.testing import parity
+from tests.models.moe import loop_moe, moe_batches, packed_moe
 from tests.models import (
     GraphBreakMLP,
     ThreeBlocks,
@@ -34,6 +35,8 @@ BF16_MP = fczero.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=t
 REGATHER = fczero.CommPolicy(keep_unsharded=0)
 BF16_OPTS = (("mp_policy", BF16_MP),)
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
+#: units on ([Note: units]): what the models with data-dependent reads need
+UNITS = (("units", "auto"),)
 
 
 
@@ -50,7 +53,8 @@ def _short(value: object) -> str:
 
 @dataclass(frozen=True)
 class Case:
-    model: str  # "mlp", "llama", "blocks" or "breaks" (graph breaks in forward)
+    model: str  # "mlp", "llama", "blocks", "breaks" (graph breaks in forward), "moe-loop" or
+    # "moe-packed" (experts idle on one rank: tests/models/moe.py; run them with units)
     optimizer: str = "sgd"
     backend: str | None = None  # None: eager; else a torch.compile backend
     options: tuple[tuple[str, object], ...] = ()
@@ -69,6 +73,10 @@ class Case:
             return GraphBreakMLP, mlp_batches(), parity.mse
         if self.model == "blocks":
             return ThreeBlocks, block_batches(), parity.mse
+        if self.model == "moe-loop":
+            return loop_moe, moe_batches(), parity.cross_entropy
+        if self.model == "moe-packed":
+            return packed_moe, moe_batches(), parity.cross_entropy
         return tiny_llama, token_batches(), parity.cross_entropy
 
     @property

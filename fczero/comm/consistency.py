@@ -19,11 +19,12 @@ previous key of that kind, which nobody reads again):
   the graph's number on this rank (``check_graph``, called by ``fczero.passes``).
   A graph break or recompile on one rank only gives that rank a graph the others
   do not compile at the same number: a mismatch or a timeout, at compile time.
-- in eager mode, at the end of each forward of the parallelized root: the gathers the
-  forward issued (``EagerLog``). A forward that skipped a module on one rank differs.
+- in eager mode, before each gather and at the end of each forward of the parallelized
+  root (``EagerLog``): a rank about to gather another param, or none, is named before the
+  collective runs, with the param's name on every rank.
 
-Costs: a store round trip per compiled graph (nothing per compiled step), and one per
-eager forward. Limits: the graph check runs where fczero's passes run (not with
+Costs: a store round trip per compiled graph (nothing per compiled step), and in eager
+mode one per gather and one per forward (docs/troubleshooting.md gives a measurement). Limits: the graph check runs where fczero's passes run (not with
 ``compile_passes=False``), and a graph that Inductor takes from its FX graph cache on
 some ranks but compiles on others is checked on those ranks only (they time out): use
 the check to find a hang, not as a guard in every production run.
@@ -177,31 +178,47 @@ def check_graph(gm: fx.GraphModule, timeouts: Mapping[str, float]) -> None:
 
 
 class EagerLog:
-    """The gathers one eager forward of a parallelized root issued, for ``exchange``: one
-    per checked root, opened by its forward's context (``fczero.runtime.prefetch.EagerContext``)."""
+    """The gathers of each eager forward of a checked root, each compared across ranks
+    *before* it is issued, and the end of the forward after them (one ``exchange`` each,
+    in one sequence): a rank that would gather something else, or nothing more, is named
+    with the param before any collective could pair with the wrong one. One per checked
+    root, opened by its forward's context (``fczero.runtime.prefetch.EagerContext``)."""
 
-    def __init__(self, group_name: str, timeout_s: float) -> None:
+    def __init__(self, group_name: str, timeout_s: float, names: dict[int, str] | None = None) -> None:
         self.group_name = group_name
         self.timeout_s = timeout_s
+        self.names = names or {}  # id of a sharded param (or its leaf) -> its name
         self.entries: list[str] = []
         self.forwards = 0
 
-    def note(self, shape: torch.Size, dtype: torch.dtype | None) -> None:
+    def note(self, shape: torch.Size, dtype: torch.dtype | None, param: object = None) -> None:
+        """About to gather ``param``: check that every rank is about to gather the same."""
         dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else "same"
+        name = self.names.get(id(param), "a param")
         self.entries.append(f"gather {list(shape)} as {dtype_name}")
+        self._exchange(
+            f"gather {name} {list(shape)} as {dtype_name}",
+            f"gather #{len(self.entries) - 1} of eager forward #{self.forwards}",
+        )
 
     def start(self) -> None:
         self.entries = []
 
     def finish(self) -> None:
         self.forwards += 1
-        exchange(
-            self.group_name,
-            "eager",
-            self.entries,
-            self.timeout_s,
+        self._exchange(
+            f"end of forward after {len(self.entries)} gathers",
             f"the end of eager forward #{self.forwards - 1}",
         )
+
+    def _exchange(self, entry: str, what: str) -> None:
+        try:
+            exchange(self.group_name, "eager", [entry], self.timeout_s, what)
+        except CollectiveMismatchError as e:
+            if self.entries:
+                e.args = (f"{e.args[0]} This rank's gathers in this forward so far: "
+                          f"{_summary(self.entries)}.",)
+            raise
 
 
 __all__ = [

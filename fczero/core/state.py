@@ -43,13 +43,15 @@ ATTR = "_fczero"
 
 
 class ModuleState:
-    """A module's ``_fczero``: its sharded params' states by name; a root's ``RootState``."""
+    """A module's ``_fczero``: its sharded params' states by name; a root's ``RootState``;
+    a unit's ``Unit`` (``fczero.runtime.units``)."""
 
-    __slots__ = ("params", "root")
+    __slots__ = ("params", "root", "unit")
 
     def __init__(self) -> None:
         self.params: dict[str, ParamState] = {}
         self.root: RootState | None = None
+        self.unit: Any = None
 
 
 class OptimizerState:
@@ -136,6 +138,8 @@ class RootState:
         # (an ``EagerContext``), and what it opened itself there (its own context; its log
         # in a joined one)
         self.forwards: list[tuple[Any, bool, bool]] = []
+        # the unit gathered again for a recompute in backward (``fczero.runtime.units``)
+        self.recomputing: Any = None
 
     @property
     def in_forward(self) -> bool:
@@ -196,6 +200,10 @@ class ParamState:
         # in a compiled graph)
         self.reused_version = -1
         self.leaf = self._new_leaf(param)
+        # the param as its unit gathered it, while the unit's forward runs (else None):
+        # what every read inside the unit returns ([Note: units], ``fczero.runtime.units``)
+        self.current: torch.Tensor | None = None
+        self.unit: Any = None  # the ``Unit`` (``fczero.runtime.units``) it belongs to, if any
 
     spec = _path_flag("spec", "The param's ``ShardSpec`` (replaced when it is kept unsharded).")
     sync = _path_flag("sync", "The root's sync flag, copied for the traced getter.")

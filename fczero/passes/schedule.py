@@ -5,7 +5,8 @@ its shards, then the all-gather) and a *copy-out group* (the wait, then the view
 and copies that hand each param to its users). Two rewrites, in this order:
 
 ``sink_waits_pass`` moves each copy-out group down to just before the first node
-that uses a param, and each reduce-scatter's wait down to just before the next
+that uses a param (and the issue group down to just before it: a unit's gathers are
+traced where the unit begins, and the prefetch pass decides how early they go), and each reduce-scatter's wait down to just before the next
 reduce-scatter is issued (so at most two buckets of full-size gradients are alive),
 or before the first user of its result:
 
@@ -74,6 +75,18 @@ def sink_waits_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphModule:
     for gather in find_gathers(graph, groups):
         tail = _tail(gather.wait, _COPY_OUT)
         move_before(tail, _first_outside_user(tail))
+        # issued where it is used (a unit gathers all its params where its forward begins,
+        # [Note: units]); the prefetch pass then hoists it as far as the budget allows
+        pos, group = position(graph), _issue_group(gather)
+        members, at = set(group), pos[tail[0]]
+        move_before(
+            [
+                n
+                for n in group
+                if at > pos[n] and all(u in members or pos[u] >= at for u in n.users)
+            ],
+            tail[0],
+        )
         moved += 1
     reduces = find_reduces(graph, groups)
     for current, following in zip(reduces, reduces[1:] + [None]):

@@ -225,17 +225,17 @@ class EagerContext:
 
     def gather(self, spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
         """The eager gather of a sharded param with rows: issued now (or earlier, when the
-        prefetch issued it ahead) and waited here, as it is handed to the module."""
+        prefetch issued it ahead) and waited here, as it is handed to the module. A checked
+        forward compares it across ranks first (checking turns the prefetch off)."""
+        if self.log is not None:
+            self.log.note(spec.shape, spec.param_dtype, param)
         return collectives.settle(self.prefetch.gather(spec, param, self))
 
     def gather_now(self, spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
         return self.hand_over(spec, param, spec._gather(eager_local(param)))
 
     def hand_over(self, spec: ShardSpec, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        """An eager gather on its way to the module: noted for the collective check, and
-        (stage 3) recorded so that saving it packs a recipe (``fczero.runtime.resharding``)."""
-        if self.log is not None:
-            self.log.note(spec.shape, spec.param_dtype)
+        """An eager gather on its way to the module: (stage 3) recorded so that saving it packs a recipe (``fczero.runtime.resharding``)."""
         if not spec.keep_unsharded:
             self.register(full, spec, param)
         return full

@@ -25,7 +25,15 @@ all-gather, and the first member unpacked copies them all out.
 
 Backward walks the autograd graph in the same order on every rank, and the prefetch
 decisions use only that order and global shapes, so the regathers are issued in the
-same order everywhere. Under ``torch.compile`` none of this runs:
+same order everywhere.
+
+Units ([Note: units] in ``fczero.runtime.units``) make this hold when the params a rank
+saves depend on its data (experts without tokens save nothing). A unit's params are
+marked as mates (``group``); when one of them is first saved, all are listed, in the
+unit's order, and the first unpack of any of them regathers them all, in that order
+(the others wait in ``ahead`` for their own unpack, or for the end of backward). The
+prefetch window then counts a unit's bytes as handed over once the unit is reached,
+whichever of its params were unpacked, so every rank decides alike. Under ``torch.compile`` none of this runs:
 the gather is tagged for recomputation instead (see ``sharding.ShardSpec.unshard``).
 """
 
@@ -54,6 +62,8 @@ class _Gathered:
     spec: ShardSpec
     param: torch.Tensor
     nbytes: int  # the unsharded param's bytes (the regather window counts them)
+    # the entries of its unit, in the unit's order (itself included); None: no unit
+    mates: list[_Gathered] | None = None
 
 
 @dataclass
@@ -110,6 +120,13 @@ class ReshardScope:
         self.ahead: dict[int, tuple[_Gathered, torch.Tensor]] = {}
         self.ahead_bytes = 0  # the unsharded bytes of what ``ahead`` holds
         self.issued: set[int] = set()  # regathered in this backward (never prefetch again)
+        # units backward has reached (id of their first entry), and the units' entries
+        # whose bytes ``ahead_bytes`` counts
+        self.reached: set[int] = set()
+        self.counted: set[int] = set()
+        # the unit backward is in, and its regathered params (kept while it is)
+        self.current_unit: int | None = None
+        self.held: dict[int, torch.Tensor] = {}
         # positions in ``saved`` not issued in this backward, ascending (made on first use)
         self._unissued: list[int] | None = None
         self.draining = False  # a callback will wait for leftovers when backward ends
@@ -134,6 +151,21 @@ class ReshardScope:
             StorageWeakRef(storage), spec, param, spec.unsharded_bytes(param)
         )
 
+    def group(self, fulls: list[torch.Tensor]) -> None:
+        """The gathered params ``fulls`` (registered) form one unit: saved and regathered
+        together (see the module docstring)."""
+        mates = []
+        for full in fulls:
+            inner = full.elem if isinstance(full, AsyncCollectiveTensor) else full
+            if type(inner) is not torch.Tensor:
+                continue
+            entry = self.live.get(torch._C._storage_id(inner))
+            if entry is not None and entry.mates is None:
+                mates.append(entry)
+        if len(mates) > 1:
+            for entry in mates:
+                entry.mates = mates
+
     def pack(self, t: torch.Tensor) -> Any:
         inner = t
         if type(t) is not torch.Tensor:  # (most saved tensors are: activations, params)
@@ -157,8 +189,10 @@ class ReshardScope:
         if entry.storage.expired():
             return None
         if id(entry) not in self.position:
-            self.position[id(entry)] = len(self.saved)
-            self.saved.append(entry)
+            for listed in entry.mates or (entry,):  # a unit: all its params, in order
+                if id(listed) not in self.position and not listed.storage.expired():
+                    self.position[id(listed)] = len(self.saved)
+                    self.saved.append(listed)
             self._unissued = None  # planned again over the longer list
         return _Recipe(entry, inner.size(), inner.stride(), inner.storage_offset())
 
@@ -182,17 +216,54 @@ class ReshardScope:
         """The unsharded param again: alive from an earlier unpack, prefetched, or issued
         now; then the regathers of the params saved before it are issued ahead."""
         key = id(entry)
-        ref = self.regathered.get(key)
-        full = ref() if ref is not None else None
+        if entry.mates is not None:
+            position = self._reach_unit(entry)
+            full = self.held.get(key)
+        else:
+            position = self.position[key]
+            ref = self.regathered.get(key)
+            full = ref() if ref is not None else None
         if full is None:
             prefetched = self.ahead.pop(key, None)
-            if prefetched is not None:
+            if prefetched is not None and entry.mates is None:
                 self.ahead_bytes -= prefetched[0].nbytes
             pending = prefetched[1] if prefetched else self._issue(self.position[key])
             full = self._finish(entry, pending)
-            self.regathered[key] = weakref.ref(full)
-        self._issue_ahead(self.position[key])
+            if entry.mates is None:
+                self.regathered[key] = weakref.ref(full)
+            else:  # held while backward is in this unit: a param read twice is regathered once
+                self.held[key] = full
+        self._issue_ahead(position)
         return full
+
+    def _reach_unit(self, entry: _Gathered) -> int:
+        """Backward unpacks a param of ``entry``'s unit. On entering the unit, regather each
+        of its params in the unit's order (those not in flight already, the first time;
+        all of them when backward comes back to a unit it left), and count them all as
+        handed over: neither may depend on which params this rank unpacks. Returns the
+        unit's first position, from which the prefetch looks ahead."""
+        mates = sorted(
+            (m for m in entry.mates if id(m) in self.position),
+            key=lambda m: self.position[id(m)],
+        )
+        unit = id(entry.mates[0])
+        if unit == self.current_unit:
+            return self.position[id(mates[0])]
+        again = unit in self.reached
+        self.current_unit, self.held = unit, {}
+        self.reached.add(unit)
+        for mate in mates:
+            if id(mate) in self.counted:
+                self.counted.discard(id(mate))
+                self.ahead_bytes -= mate.nbytes
+            if again:
+                old = self.ahead.pop(id(mate), None)
+                if old is not None:
+                    _settle(old[1])
+            elif id(mate) in self.issued:
+                continue  # in flight (prefetched): in ``ahead``
+            self._hold(mate, self._issue(self.position[id(mate)]), count=False)
+        return self.position[id(mates[0])]
 
     @staticmethod
     def _finish(entry: _Gathered, pending: torch.Tensor | _Piece) -> torch.Tensor:
@@ -227,11 +298,15 @@ class ReshardScope:
                 self._hold(member, _Piece(issued, k))
         return mine
 
-    def _hold(self, entry: _Gathered, pending: torch.Tensor | _Piece) -> None:
+    def _hold(self, entry: _Gathered, pending: torch.Tensor | _Piece, count: bool = True) -> None:
         """Keep a regather issued ahead until its unpack; waited at the end of backward
-        if it is never unpacked (at once when no backward is running)."""
+        if it is never unpacked (at once when no backward is running). ``count``: its
+        bytes count against the window until it is handed over (or its unit reached)."""
         self.ahead[id(entry)] = (entry, pending)
-        self.ahead_bytes += entry.nbytes
+        if count and (entry.mates is None or id(entry.mates[0]) not in self.reached):
+            self.ahead_bytes += entry.nbytes
+            if entry.mates is not None:
+                self.counted.add(id(entry))
         if torch._C._current_graph_task_id() == -1:
             _settle(pending)
         elif not self.draining:
@@ -273,6 +348,8 @@ class ReshardScope:
         for _, pending in self.ahead.values():
             _settle(pending)
         self.ahead, self.ahead_bytes, self.issued, self.draining = {}, 0, set(), False
+        self.reached, self.counted = set(), set()
+        self.current_unit, self.held = None, {}
         self._unissued = None
 
 

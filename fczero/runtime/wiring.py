@@ -31,17 +31,28 @@ from fczero.comm.reducer import whole_param
 from fczero.core.spec import _local, _recompute_everything, gather_traced
 from fczero.core.state import ATTR, ParamState
 
-#: (user class, param names) -> its wired subclass. Per process: a generated class holds
+#: (user class, param names, in units) -> its wired subclass. Per process: a generated class holds
 #: no state of a model, so every model with such a module shares it; held weakly (it
 #: lives while a module of it does).
-_WIRED_CLASSES: weakref.WeakValueDictionary[tuple[type, tuple[str, ...]], type] = (
+_WIRED_CLASSES: weakref.WeakValueDictionary[tuple[type, tuple[str, ...], bool], type] = (
     weakref.WeakValueDictionary()
 )
 
 
-def _unsharded_property(name: str) -> property:
+def _unsharded_property(name: str, in_unit: bool) -> property:
+    """``in_unit``: the param belongs to a unit, whose gather the read returns while the unit
+    runs ([Note: units]); otherwise the read never looks (under compile, a look is a guard)."""
+
     def get(module: nn.Module) -> torch.Tensor:
         state = getattr(module, ATTR).params[name]
+        if in_unit:
+            held = state.current
+            if held is not None:
+                return held
+            if torch._C._current_graph_task_id() != -1 and not torch.compiler.is_compiling():
+                # backward recomputes a checkpointed region inside a unit's forward: the
+                # unit is gathered again as a whole ([Note: units])
+                return state.unit.gather_for_recompute(state)
         if torch.compiler.is_compiling():  # the sharded DTensor stays out of the graph
             return unsharded_param(state, state.leaf)
         return unsharded_param(state, module._parameters[name])
@@ -49,14 +60,15 @@ def _unsharded_property(name: str) -> property:
     return property(get, doc=f"Unsharded {name!r}, gathered by fczero on each access.")
 
 
-def wire_module(module: nn.Module, names: Iterable[str]) -> None:
+def wire_module(module: nn.Module, names: Iterable[str], in_units: bool = False) -> None:
     """Make ``module.<name>`` return the unsharded param for every name in ``names`` (its
-    ``ParamState`` in the module's ``ModuleState`` says how to get it)."""
+    ``ParamState`` in the module's ``ModuleState`` says how to get it); ``in_units``: the
+    params belong to units (``fczero.runtime.units``)."""
     cls = type(module)
-    key = (cls, tuple(sorted(names)))
+    key = (cls, tuple(sorted(names)), in_units)
     wired = _WIRED_CLASSES.get(key)
     if wired is None:
-        attrs = {name: _unsharded_property(name) for name in key[1]}
+        attrs = {name: _unsharded_property(name, in_units) for name in key[1]}
         attrs["__module__"] = cls.__module__
         wired = type(f"FCZero{cls.__name__}", (cls,), attrs)
         _WIRED_CLASSES[key] = wired

@@ -13,7 +13,7 @@ import torch
 
 from fczero.testing import parity
 from fczero.testing.distributed import gpu_world_size, run_on_ranks
-from tests.cases import BF16, BF16_MP, BF16_OPTS, Case, run_cases
+from tests.cases import BF16, BF16_MP, BF16_OPTS, UNITS, Case, run_cases
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,6 +43,12 @@ CASES = [
     ),
     Case("llama", backend="inductor-cudagraphs", options=(("stage", 2),)),
     Case("llama", backend="inductor-cudagraphs", options=(("stage", 1),)),
+    # units: experts idle on one rank (tests/models/moe.py), and the Llama gathered per block
+    Case("moe-loop", options=UNITS),
+    Case("moe-packed", backend="inductor", options=UNITS),
+    Case("moe-loop", backend="inductor", options=UNITS),
+    Case("llama", backend="inductor", options=(*UNITS, *BF16_OPTS)),
+    Case("llama", "adamw", backend="inductor-cudagraphs", options=UNITS),
 ]
 
 

@@ -157,13 +157,16 @@ def test_rank_dependent_branch_in_eager_is_a_clear_error():
     results = run_on_ranks(_eager_branch_on_rank_1, 2, timeout_s=LIMIT_S)
     messages = [m for status, m, _ in results if status == "error"]
     assert len(messages) == 2, results
-    # rank 1 ends its forward first and waits; rank 0 is then held in the gather of the
-    # tail, which rank 1 never issues. Rank 1 says so after the timeout.
-    status, message, seconds = results[1]
-    assert status == "error", message
-    assert "rank 1 reached the end of eager forward #1 but rank(s) [0] did not" in message
-    assert "collectives there: 4 (gather [16, 8] as same, gather [16] as same" in message
-    assert seconds < 30
+    # each gather is compared before it is issued: rank 1 reaches the end of its forward
+    # where rank 0 is about to gather the tail, and both say so at once, by name
+    where = ["gather #4 of eager forward #1", "the end of eager forward #1"]
+    for rank, (status, message, seconds) in enumerate(results):
+        assert status == "error", message
+        assert f"ranks {rank} and {1 - rank} differ at {where[rank]}" in message
+        assert "end of forward after 4 gathers" in message
+        assert "gather tail.weight [4, 16] as same" in message
+        assert "so far: " in message and "(gather [16, 8] as same, gather [16] as same" in message
+        assert seconds < TIMEOUT_S, (rank, seconds)
 
 
 def _reference_losses() -> list[float]:

@@ -1,0 +1,302 @@
+"""Units: a block's params are gathered together when the block's forward begins.
+
+[Note: units]
+A *unit* is a module whose params fczero gathers as a whole: when the unit's forward
+begins, every param it owns is gathered, in registration order, and each read of one of
+those params inside the unit returns that gathered param. When the unit's forward ends
+the gathered params are dropped (stage 3 frees them; backward gathers again).
+
+Why not gather on each read: the number of reads can depend on the data. A
+mixture-of-experts layer that skips experts without tokens reads an idle expert's params
+zero times on one rank and once on another, and so would issue a different number of
+all-gathers on each: gloo aborts, NCCL hangs or pairs unrelated buffers. A unit's gathers
+depend only on which units run, and the units are chosen from the model's structure.
+
+Backward is rank-safe the same way. The params of a unit leave its gather through one
+autograd node (``_Together``), so if any of them gets a gradient, all of them do (zeros
+for those this rank never read), and every rank reduces the same grads in the same order.
+
+Which modules are units (``parallelize(units=...)``):
+- ``"auto"`` (the default): each child of the outermost indexed containers (the
+  ``layers.3`` of ``layers.3.mlp.experts.1.up``; an ``nn.ModuleList`` or ``nn.Sequential``
+  of blocks), and the root, which owns every param outside them (embeddings, final norm,
+  head). Experts nested in a block belong to the block.
+- a list of modules or module classes: those (and the root). A param belongs to the
+  innermost unit that contains its module, as with FSDP2's ``fully_shard`` on submodules.
+- ``None``: no units; each read gathers (the order of reads must then be the same on every
+  rank; ``CheckPolicy`` checks it before each gather).
+
+A param read outside its unit's forward (a weight shared with a module in another unit,
+or a read from user code between steps) is gathered on its own, as before.
+
+Under ``torch.compile`` the unit's forward is traced like any other; its gathers
+are graph nodes like any other, and the compile passes move each one to where it is used
+(``fczero.passes.schedule``). The wrapper records the gathered params on the params' states,
+a side effect that torch allows inside a checkpointed region only when asked
+(``_allow_side_effects``): the record is set and cleared inside the unit, so nothing of it
+outlives the region, and recomputing the region in backward needs none of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch._dynamo.utils
+import torch.nn as nn
+from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
+
+from fczero.core.state import ATTR, ParamState, module_state
+from fczero.runtime.wiring import unsharded_param
+
+logger = logging.getLogger("fczero")
+
+#: Runs a function whose attribute writes Dynamo accepts inside a higher-order op's region
+#: (activation checkpointing): torch's own helper where it has one, else a plain call.
+_allow_side_effects = getattr(
+    torch._dynamo.utils,
+    "_disable_side_effect_safety_checks_for_current_subtracer",
+    lambda fn, *args: fn(*args),
+)
+
+#: A module path that ends in its first numeric component: a child of an outermost
+#: indexed container (``layers.3``, ``model.layers.0``; not ``layers.3.experts.1``).
+_OUTERMOST_INDEXED = re.compile(r"^[^0-9]*?(?:^|\.)\d+$")
+
+UnitSpec = str | Sequence[nn.Module | type] | None
+
+
+@dataclass(eq=False)
+class Unit:
+    """One unit: its module's path and the states of the params it gathers, in order."""
+
+    path: str
+    states: list[ParamState] = field(default_factory=list)
+    depth: int = 0  # forwards of this unit running now (a unit may call itself)
+
+    def gather_for_recompute(self, state: ParamState) -> torch.Tensor:
+        """Backward recomputes a checkpointed region that runs inside this unit's forward
+        (the checkpoint sits inside the unit, as a checkpoint wrapper module puts it) and
+        reads ``state``'s param, which the unit let go of when its forward ended.
+
+        Gather the whole unit again, in its order, whichever param the region reads first
+        (every rank recomputes the region, so every rank gathers the same), and hold it
+        until backward recomputes another unit, or ends. Gathered without autograd (a
+        recompute's own graph is never differentiated), each marked as requiring grad as
+        its forward read was. Outside any dispatch mode: a selective checkpoint
+        replays the region's ops against those its forward ran, and the forward read these
+        params from the unit, without a collective."""
+        root = state.root
+        held = root.recomputing
+        if held is not None and held is not self:
+            _release_recompute(root)
+        if state.current is None:
+            with torch.no_grad(), _no_dispatch_modes():
+                fulls = [unsharded_param(s, s.param) for s in self.states]
+            for s, full in zip(self.states, fulls):
+                # requiring grad as in forward, so the region's ops save the same tensors
+                s.current = full.detach().requires_grad_(s.param.requires_grad)
+            if root.recomputing is None:
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    functools.partial(_release_recompute, root)
+                )
+            root.recomputing = self
+        return state.current
+
+
+def _release_recompute(root) -> None:
+    unit, root.recomputing = root.recomputing, None
+    if unit is not None and not unit.depth:
+        for state in unit.states:
+            state.current = None
+
+
+def auto_unit_paths(model: nn.Module) -> list[str]:
+    """The paths of the children of the outermost indexed containers that own params."""
+    return [
+        path
+        for path, module in model.named_modules()
+        if path and _OUTERMOST_INDEXED.match(path) and any(True for _ in module.parameters())
+    ]
+
+
+def unit_paths(model: nn.Module, units: UnitSpec) -> list[str]:
+    """The paths of the unit modules ``units`` names, the root (``""``) first."""
+    if units is None:
+        return []
+    if isinstance(units, str):
+        if units != "auto":
+            raise ValueError(
+                f"fczero: units={units!r} is not an option; pass 'auto' (the default), None "
+                "(gather on each read) or a list of modules or module classes."
+            )
+        return ["", *auto_unit_paths(model)]
+    wanted = list(units)
+    modules = {id(m) for m in wanted if isinstance(m, nn.Module)}
+    classes = tuple(c for c in wanted if isinstance(c, type))
+    bad = [u for u in wanted if not isinstance(u, (nn.Module, type))]
+    if bad:
+        raise TypeError(
+            f"fczero: units must hold nn.Module instances or classes, got {type(bad[0]).__name__}."
+        )
+    paths = [
+        path
+        for path, module in model.named_modules()
+        if path and (id(module) in modules or isinstance(module, classes))
+    ]
+    found = {id(module) for path, module in model.named_modules() if path in set(paths)}
+    missing = modules - found - {id(model)}
+    if missing:
+        raise ValueError(
+            "fczero: a module passed in units is not a submodule of the model; pass modules "
+            "of the model being parallelized (or their classes)."
+        )
+    return ["", *paths]
+
+
+def build_units(model: nn.Module, units: UnitSpec, states: dict[int, ParamState]) -> list[Unit]:
+    """The units of ``model`` with their params' states (``states``: by id of sharded
+    param). Each param goes to the innermost unit holding the first module that owns it."""
+    paths = unit_paths(model, units)
+    if not paths:
+        return []
+    by_path = {path: Unit(path) for path in paths}
+    taken: set[int] = set()
+    for path, module in model.named_modules():
+        owner = _innermost(path, by_path)
+        for param in module._parameters.values():
+            state = states.get(id(param)) if param is not None else None
+            if state is None or id(param) in taken:
+                continue
+            taken.add(id(param))
+            by_path[owner].states.append(state)
+            state.unit = by_path[owner]
+    found = [unit for unit in by_path.values() if unit.states]
+    logger.info(
+        "units: %d (%s), %d params",
+        len(found),
+        _summary([u.path or "<root>" for u in found]),
+        len(taken),
+    )
+    return found
+
+
+def _innermost(path: str, by_path: dict[str, Unit]) -> str:
+    while path and path not in by_path:
+        path = path.rpartition(".")[0]
+    return path
+
+
+def _summary(paths: list[str], limit: int = 4) -> str:
+    shown = ", ".join(paths[:limit])
+    return shown if len(paths) <= limit else f"{shown}, ... {len(paths) - limit} more"
+
+
+#: user class -> its unit subclass (per process, held weakly, as the wired classes are)
+_UNIT_CLASSES: weakref.WeakValueDictionary[type, type] = weakref.WeakValueDictionary()
+
+
+def install(model: nn.Module, units: list[Unit]) -> None:
+    """Make each unit's module gather its params when its forward begins and drop them
+    when it ends: its class becomes a subclass whose ``forward`` wraps the user's. Inside
+    ``forward``, not in a forward hook: ``torch.compile(model)`` traces the root's
+    ``forward`` but runs the root's hooks outside the graph, where the gathers would be
+    cut off from the passes and from recomputation in backward. Inside ``forward`` they
+    also follow every forward pre-hook (the root's opens the eager context)."""
+    modules = dict(model.named_modules())
+    for unit in units:
+        module = modules[unit.path]
+        module_state(module, create=True).unit = unit
+        cls = type(module)
+        wrapped = _UNIT_CLASSES.get(cls)
+        if wrapped is None:
+            wrapped = type(
+                cls.__name__, (cls,), {"forward": _unit_forward(cls.forward), "__module__": cls.__module__}
+            )
+            _UNIT_CLASSES[cls] = wrapped
+        module.__class__ = wrapped
+
+
+def _unit_forward(forward):
+    @functools.wraps(forward)
+    def unit_forward(self: nn.Module, *args, **kwargs):
+        unit = self.__dict__[ATTR].unit
+        _enter(unit)
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _leave(unit)
+
+    return unit_forward
+
+
+def _enter(unit: Unit) -> None:
+    """The unit's forward begins: gather all its params (none again if it is running)."""
+    if unit.depth:
+        _allow_side_effects(_deepen, unit)
+        return
+    compiling = torch.compiler.is_compiling()
+    fulls = [unsharded_param(s, s.leaf if compiling else s.param) for s in unit.states]
+    if not compiling:  # (a compiled graph issues the same collectives on every rank anyway)
+        fulls = together(fulls)
+        context = unit.states[0].root.context
+        if context is not None and context.scope is not None:
+            context.scope.group(fulls)  # regathered in backward as one unit too
+    _allow_side_effects(_hold, unit, fulls)
+
+
+def _leave(unit: Unit) -> None:
+    """The unit's forward ended (or raised): drop its gathered params."""
+    if unit.depth:
+        _allow_side_effects(_release, unit)
+
+
+def _deepen(unit: Unit) -> None:
+    unit.depth += 1
+
+
+def _hold(unit: Unit, fulls: list[torch.Tensor]) -> None:
+    unit.depth += 1
+    for state, full in zip(unit.states, fulls):
+        state.current = full
+
+
+def _release(unit: Unit) -> None:
+    unit.depth -= 1
+    if unit.depth == 0:
+        for state in unit.states:
+            state.current = None
+
+
+class _Together(torch.autograd.Function):
+    """Identity on several gathered params, as one autograd node: backward runs for all of
+    them once any has a grad, with zeros for the others (autograd materializes them)."""
+
+    @staticmethod
+    def forward(ctx, *fulls: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(f.view_as(f) for f in fulls)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return grads
+
+
+def together(fulls: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tie the plain gathered params that carry grads into one autograd node (see the
+    note); others (no grad, tensor-parallel DTensors) pass unchanged."""
+    tied = [
+        i
+        for i, f in enumerate(fulls)
+        if f.requires_grad and type(f) is torch.Tensor
+    ]
+    if len(tied) < 2:
+        return fulls
+    out = list(fulls)
+    for i, f in zip(tied, _Together.apply(*(fulls[i] for i in tied))):
+        out[i] = f
+    return out

@@ -1,0 +1,126 @@
+"""Units ([Note: units] in fczero/runtime/units.py): which modules are units, bad ``units``
+refused before anything changes, and models whose reads depend on the data (experts
+skipped on one rank only, a branch taken on one rank only) training on 2 gloo ranks like
+one process, eager and compiled, with the first step's grads compared one by one."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import fczero
+from fczero.runtime.units import auto_unit_paths, unit_paths
+from fczero.testing import parity
+from fczero.testing.distributed import run_on_ranks
+from tests.models import tiny_llama
+from tests.models.moe import (
+    BranchModel,
+    Expert,
+    branch_batches,
+    loop_moe,
+    moe_batches,
+    packed_moe,
+)
+
+FP32 = {"rtol": 1e-5, "atol": 1e-6}
+
+#: name -> (model for a rank, model for the one-process reference, batches, loss)
+CASES = {
+    "loop": (loop_moe, loop_moe, moe_batches, parity.cross_entropy),
+    "packed": (packed_moe, packed_moe, moe_batches, parity.cross_entropy),
+    "branch": (BranchModel, functools.partial(BranchModel, 2), branch_batches, parity.mse),
+}
+
+
+def test_auto_units_are_the_outermost_indexed_children():
+    assert auto_unit_paths(loop_moe()) == ["layers.0", "layers.1"]  # not the experts
+    assert auto_unit_paths(tiny_llama()) == ["layers.0", "layers.1"]
+    assert unit_paths(loop_moe(), "auto") == ["", "layers.0", "layers.1"]
+    assert unit_paths(loop_moe(), None) == []
+
+
+def test_named_units_are_found_by_module_or_class():
+    model = loop_moe()
+    paths = unit_paths(model, [Expert, model.layers[1]])
+    assert paths == ["", *[f"layers.0.moe.experts.{e}" for e in range(4)], "layers.1",
+                     *[f"layers.1.moe.experts.{e}" for e in range(4)]]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "units, error, says",
+    [
+        ("blocks", ValueError, "units='blocks' is not an option"),
+        ([3], TypeError, "must hold nn.Module instances or classes"),
+        ([nn.Linear(2, 2)], ValueError, "not a submodule of the model"),
+    ],
+)
+def test_bad_units_are_refused_before_any_param_changes(fake_pg, units, error, says):
+    model = loop_moe()
+    with pytest.raises(error, match=says):
+        fczero.parallelize(model, init_device_mesh("cpu", (2,)), units=units)
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+    assert not fczero.is_parallelized(model)
+
+
+def test_a_unit_gathers_each_param_once_however_often_it_is_read(fake_pg):
+    from fczero.testing.comm import CollectiveLog
+
+    model = fczero.parallelize(packed_moe(), init_device_mesh("cpu", (2,)), units="auto")
+    tokens = moe_batches()[0][0][:2]  # rank 0's rows: all four experts active
+    with CollectiveLog() as log:
+        model(tokens)
+    # 12 params (embed, head; per layer norm weight and bias, router, up, down), each once
+    assert log.count("all_gather_into_tensor") == 12
+
+
+def _train_all(rank: int, world: int) -> dict:
+    out = {}
+    for name, (build, _, batches, criterion) in CASES.items():
+        for backend in (None, "aot_eager"):
+            torch._dynamo.reset()
+            out[name, backend] = (
+                parity.train_parallel(
+                    rank, world, build, batches(), criterion, compile_backend=backend,
+                    units="auto",
+                ),
+                _first_grads(rank, world, build, batches()[0], criterion, backend),
+            )  # fmt: skip
+    return out
+
+
+def _first_grads(rank, world, build, batch, criterion, backend) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = build()
+    fczero.parallelize(model, init_device_mesh("cpu", (world,)), units="auto")
+    step = torch.compile(model, backend=backend) if backend else model
+    x, y = batch
+    rows = x.shape[0] // world
+    criterion(step(x[rank * rows : (rank + 1) * rows]), y[rank * rows : (rank + 1) * rows]).backward()
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return run_on_ranks(_train_all, 2)
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "aot_eager"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_data_dependent_reads_train_like_one_process(trained, name, backend):
+    _, build_reference, batches, criterion = CASES[name]
+    expected = parity.train_reference(build_reference, batches(), criterion)
+    torch.manual_seed(0)
+    reference = build_reference()
+    x, y = batches()[0]
+    criterion(reference(x), y).backward()
+    for per_rank in trained:
+        trace, grads = per_rank[name, backend]
+        parity.assert_close(trace, expected, **FP32)
+        assert grads.keys() == dict(reference.named_parameters()).keys()
+        for param_name, param in reference.named_parameters():
+            torch.testing.assert_close(grads[param_name], param.grad, **FP32, msg=param_name)
