@@ -821,10 +821,7 @@ GROUPS: dict[str, list[str]] = {
         "fczero-eager", "fczero-nopasses", "fczero-compiled", "fczero-cudagraphs", "fczero-256mib"
     ],  # fmt: skip
     "cudagraphs": ["floor-cudagraphs", "fczero-cudagraphs"],
-    "units": [
-        "floor", "floor-cudagraphs", "fczero-compiled", "fczero-compiled-units",
-        "fczero-cudagraphs", "fczero-cudagraphs-units", "fczero-eager", "fczero-eager-units",
-    ],  # fmt: skip
+    "units": ["fczero-eager-units", "fczero-compiled-units", "fczero-cudagraphs-units"],
     "unshard": [
         "fczero-regather", "fczero-unshard-512mib", "fczero-keep-all",
         "fczero-keep-all-cudagraphs", "fczero-auto-cudagraphs",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import warnings
 from collections.abc import Callable
 from functools import partial
 
@@ -121,10 +122,12 @@ def parallelize(
             ``fczero/core/meta_init.py`` says).
         units: which modules gather their params as a whole when their forward begins
             ([Note: units] in ``fczero/runtime/units.py``). ``"auto"``: each block (a
-            child of the outermost ``nn.ModuleList``/``nn.Sequential``) and the root, for
-            everything else. A list of modules or module classes: those, and the root.
-            ``None``: each read gathers on its own, which is rank-safe only when every
-            rank reads the same params in the same order (no data-dependent branches).
+            child of the outermost ``nn.ModuleList``/``nn.Sequential``), and outside the
+            blocks each module that owns params itself. A list of modules or module
+            classes: those, and outside them each module that owns params itself.
+            ``None`` (the default): each read gathers on its own, which is rank-safe only
+            when every rank reads the same params in the same order (no data-dependent
+            branches, such as experts skipped when they get no tokens).
         **deprecated: the options of earlier versions (``param_dtype``, ``bucket_bytes``,
             ``offload_params``, ...) still work and warn with their new spelling
             (docs/api.md lists them).
@@ -151,10 +154,10 @@ def parallelize(
         others=deprecated,
         known=OPTION_NAMES,
     )
-    unit_paths = gather_units.unit_paths(model, units)  # (checks ``units`` before any change)
     layout = resolve_mesh(mesh, options.axis, options.replicate_axis)
     dp_mesh = layout.shard_mesh
     owners = _validate_model(model, layout)
+    unit_paths = gather_units.unit_paths(model, units)  # (checks ``units`` before any change)
     one_axis = layout.replicate_axis is None and not any(
         isinstance(p, DTensor) for *_, p in owners
     )  # no HSDP, no tensor-parallel params
@@ -177,6 +180,8 @@ def parallelize(
         consistency.check_model(
             group_name, dp_mesh.size(), options, params, options.check.timeout_s
         )
+    # [Note: the same weights on every rank]: one small all-gather before anything changes
+    consistency.check_same_values(group_name, params, mesh_device(dp_mesh))
 
     meta_plan = meta_device_init.plan(model, init_fn, meta_init)
     if meta_plan is not None and not plain_stage3:
@@ -331,8 +336,14 @@ def _offload_params(
     if not options.offload.params:
         return
     device = mesh_device(mesh)
-    if device.type == "cpu":
-        logger.info("OffloadPolicy.params: the mesh is on the CPU, so the shards are there already")
+    if device.type == "cpu":  # accepted, and changes nothing: said as a warning, not only logged
+        warnings.warn(
+            "fczero: OffloadPolicy.params (or FSDP2's CPUOffloadPolicy) on a CPU mesh changes "
+            "nothing: the shards are in host memory already. Drop the offload_policy on a CPU "
+            "mesh; it moves shards to host memory only for a GPU mesh.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return
     for key, (sharded, spec) in specs_by_param.items():
         specs_by_param[key] = param_offload.to_host(sharded, spec, device)

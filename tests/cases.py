@@ -35,7 +35,7 @@ BF16_MP = fczero.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=t
 REGATHER = fczero.CommPolicy(keep_unsharded=0)
 BF16_OPTS = (("mp_policy", BF16_MP),)
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
-#: units on ([Note: units]): what the models with data-dependent reads need
+#: units on ([Note: units]): what models with data-dependent reads need
 UNITS = (("units", "auto"),)
 
 
@@ -54,7 +54,7 @@ def _short(value: object) -> str:
 @dataclass(frozen=True)
 class Case:
     model: str  # "mlp", "llama", "blocks", "breaks" (graph breaks in forward), "moe-loop" or
-    # "moe-packed" (experts idle on one rank: tests/models/moe.py; run them with units)
+    # "moe-packed" (experts idle on one rank: tests/models/moe.py; safe with units only)
     optimizer: str = "sgd"
     backend: str | None = None  # None: eager; else a torch.compile backend
     options: tuple[tuple[str, object], ...] = ()

@@ -330,3 +330,22 @@ def test_two_models_in_one_process_share_nothing():
     assert facts["closed"]
     assert facts["outer records"] == 4 + 7  # its own 4 gathers and the inner root's 7
     assert facts["inner records"] is None  # the inner root never prefetched on its own
+
+
+def _different_seeds(rank: int, world: int) -> tuple[str, bool]:
+    torch.manual_seed(rank)  # a different model on each rank
+    model = UnevenTiedMLP()
+    try:
+        fczero.parallelize(model, init_device_mesh("cpu", (world,)))
+    except ValueError as e:
+        return str(e), any(isinstance(p, DTensor) for p in model.parameters())
+    return "no error", True
+
+
+def test_ranks_with_different_weights_are_refused_before_sharding():
+    """[Note: the same weights on every rank]: one checksum all-gather, every rank raises,
+    naming the first param that differs; nothing is sharded."""
+    for message, sharded in run_on_ranks(_different_seeds, 2):
+        assert "parameter 'inp.weight' differs between ranks 0 and 1 before sharding" in message
+        assert "torch.manual_seed(<same seed>)" in message
+        assert not sharded

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed import distributed_c10d as c10d
+from torch.distributed.tensor import DTensor
 
 from fczero.comm.graph_ops import collective_group, op_name
 
@@ -145,6 +146,54 @@ def check_model(
     exchange(group_name, "parallelize", entries, timeout_s, "parallelize (the model and options)")
 
 
+def check_same_values(
+    group_name: str, params: list[tuple[str, torch.Tensor]], device: torch.device
+) -> None:
+    """Every rank starts from the same values: two float64 checksums per param (its sum and
+    its norm), all-gathered once over the data-parallel group, as DDP compares its ranks'
+    params when it is built. Raises on every rank, naming the first param that differs.
+
+    [Note: the same weights on every rank]
+    fczero shards each rank's own copy of the model: rank r keeps rows r of its own values.
+    Built from different seeds, the ranks' shards would come from different models and train
+    silently to garbage. Params on the meta device have no values yet (they are initialized
+    during ``parallelize``) and are skipped; so is the fake process group, whose collectives
+    return garbage. A sum is not a hash, but two independently initialized tensors have
+    equal sums and norms with negligible chance; values from the same seed agree exactly on
+    every rank of one machine type, and a relative slack of 1e-6 allows for reductions
+    ordered differently elsewhere."""
+    group = c10d._resolve_process_group(group_name)
+    world = dist.get_world_size(group)
+    # a tensor-parallel param: its local part (the same on every rank of this group)
+    local = [(n, p.to_local() if isinstance(p, DTensor) else p) for n, p in params]
+    named = [(n, p) for n, p in local if p.device.type != "meta"]
+    if world == 1 or not named or not _checkable(group_name):
+        return
+    with torch.no_grad():
+        mine = torch.stack(
+            [
+                torch.stack([p.sum(dtype=torch.float64), torch.linalg.vector_norm(p, dtype=torch.float64)])
+                for _, p in named
+            ]
+        ).to(device)  # (n, 2)
+    everyone = mine.new_empty((world * mine.shape[0], 2))
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    everyone = everyone.cpu().view(world, *mine.shape)  # (world, n, 2)
+    scale = everyone.abs().amax(dim=0).clamp_min(1.0)  # (n, 2)
+    differs = ((everyone - everyone[0]).abs() > 1e-6 * scale).any(dim=2)  # (world, n)
+    if not differs.any():
+        return
+    rank, index = (int(i) for i in differs.nonzero()[0])
+    name = named[index][0]
+    raise ValueError(
+        f"fczero: parameter {name!r} differs between ranks 0 and {rank} before sharding "
+        f"(its sum is {float(everyone[0, index, 0]):.6g} on rank 0 and "
+        f"{float(everyone[rank, index, 0]):.6g} on rank {rank}). Every rank must start "
+        "from the same weights: call torch.manual_seed(<same seed>) on every rank before "
+        "building the model, or load the same checkpoint on every rank, then parallelize."
+    )
+
+
 # ---- compiled graphs ------------------------------------------------------------------
 
 
@@ -226,6 +275,7 @@ __all__ = [
     "EagerLog",
     "check_graph",
     "check_model",
+    "check_same_values",
     "exchange",
     "graph_collectives",
 ]

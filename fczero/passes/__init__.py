@@ -2,6 +2,7 @@
 
 | pass                          | module       | what it does                                  |
 | ----------------------------- | ------------ | --------------------------------------------- |
+| sink_gathers_pass             | schedule.py  | each gather issued where it is used           |
 | bucket_all_gathers_pass       | bucketing.py | one all-gather per block                      |
 | bucket_reduce_scatters_pass   | bucketing.py | one reduce-scatter per block                  |
 | bucket_all_reduces_pass       | all_reduce.py| one all-reduce per block (stage 1 grads, HSDP) |
@@ -28,6 +29,7 @@ from fczero.passes.registry import PassSettings, check_timeouts, settings_for_gr
 from fczero.passes.schedule import (
     one_in_flight_pass,
     prefetch_all_gathers_pass,
+    sink_gathers_pass,
     sink_waits_pass,
 )
 
@@ -42,6 +44,7 @@ def run_passes(gm: fx.GraphModule, settings: PassSettings | None = None) -> fx.G
         if settings is None:
             return gm
     groups = settings.groups
+    gm = sink_gathers_pass(gm, groups)
     if settings.bucket_bytes > 0:
         gm = bucket_all_gathers_pass(gm, groups, settings.bucket_bytes)
         gm = bucket_reduce_scatters_pass(

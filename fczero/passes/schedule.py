@@ -69,14 +69,16 @@ def _first_outside_user(tail: list[fx.Node]) -> fx.Node:
     return min(users, key=pos.__getitem__)
 
 
-def sink_waits_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphModule:
-    graph = gm.graph
+def _sink_gathers(graph: fx.Graph, groups: set[str]) -> int:
+    """Each gather's copy-out group to just before its first use, and its issue group just
+    before that: a gather issued where it is used (a unit gathers all its params where its
+    forward begins, [Note: units]; the prefetch pass then hoists each as the budget allows)."""
     moved = 0
     for gather in find_gathers(graph, groups):
         tail = _tail(gather.wait, _COPY_OUT)
+        if not any(u not in tail for n in tail for u in n.users):
+            continue  # nothing uses it (a graph's output counts as a use)
         move_before(tail, _first_outside_user(tail))
-        # issued where it is used (a unit gathers all its params where its forward begins,
-        # [Note: units]); the prefetch pass then hoists it as far as the budget allows
         pos, group = position(graph), _issue_group(gather)
         members, at = set(group), pos[tail[0]]
         move_before(
@@ -88,6 +90,23 @@ def sink_waits_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphModule:
             tail[0],
         )
         moved += 1
+    return moved
+
+
+def sink_gathers_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphModule:
+    """Before bucketing: every gather where it is used, so buckets follow the order of use
+    (a unit's gathers, traced together at its start, would otherwise share one bucket with
+    params used much later, such as a head gathered with the embedding)."""
+    moved = _sink_gathers(gm.graph, groups)
+    gm.graph.lint()
+    gm.recompile()
+    logger.info("sink_gathers_pass: %d gathers issued where they are used", moved)
+    return gm
+
+
+def sink_waits_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphModule:
+    graph = gm.graph
+    moved = _sink_gathers(graph, groups)
     reduces = find_reduces(graph, groups)
     for current, following in zip(reduces, reduces[1:] + [None]):
         tail = _tail(current.wait, _REDUCE_TAIL)

@@ -6,6 +6,7 @@ Imports ``fczero.comm`` and ``fczero.core``; never the passes or the memory feat
 | module           | its one job                                                             |
 | ---------------- | ----------------------------------------------------------------------- |
 | wiring.py        | each module's param reads return the unsharded param                    |
+| units.py         | units: a block's params gathered together when its forward begins       |
 | prefetch.py      | eager gathers issued ahead, in the order recorded on an earlier step    |
 | eager_buckets.py | one all-gather (and one reduce-scatter) for a bucket of eager gathers   |
 | resharding.py    | eager stage 3: free gathered params after forward, regather in backward |

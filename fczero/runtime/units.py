@@ -17,14 +17,16 @@ autograd node (``_Together``), so if any of them gets a gradient, all of them do
 for those this rank never read), and every rank reduces the same grads in the same order.
 
 Which modules are units (``parallelize(units=...)``):
-- ``"auto"`` (the default): each child of the outermost indexed containers (the
-  ``layers.3`` of ``layers.3.mlp.experts.1.up``; an ``nn.ModuleList`` or ``nn.Sequential``
-  of blocks), and the root, which owns every param outside them (embeddings, final norm,
-  head). Experts nested in a block belong to the block.
-- a list of modules or module classes: those (and the root). A param belongs to the
-  innermost unit that contains its module, as with FSDP2's ``fully_shard`` on submodules.
-- ``None``: no units; each read gathers (the order of reads must then be the same on every
-  rank; ``CheckPolicy`` checks it before each gather).
+- ``"auto"``: each child of the outermost indexed containers (the ``layers.3`` of
+  ``layers.3.mlp.experts.1.up``; an ``nn.ModuleList`` or ``nn.Sequential`` of blocks), and
+  outside them each module that owns params itself (an embedding, a final norm, a head),
+  and the root for its own. Experts nested in a block belong to the block. A module
+  outside the blocks that runs on some ranks only must be named (or sit in a named unit).
+- a list of modules or module classes: those, and as with ``"auto"`` each module outside
+  them that owns params itself. A param belongs to the innermost unit that contains its
+  module, as with FSDP2's ``fully_shard`` on submodules.
+- ``None`` (the default for now): no units; each read gathers (the order of reads must
+  then be the same on every rank; ``CheckPolicy`` checks it before each gather).
 
 A param read outside its unit's forward (a weight shared with a module in another unit,
 or a read from user code between steps) is gathered on its own, as before.
@@ -117,12 +119,37 @@ def _release_recompute(root) -> None:
 
 
 def auto_unit_paths(model: nn.Module) -> list[str]:
-    """The paths of the children of the outermost indexed containers that own params."""
-    return [
+    """The units ``"auto"`` picks: each child of an outermost indexed container that owns
+    params (a block), and each module outside the blocks that owns params itself (an
+    embedding, a final norm, a head)."""
+    blocks = [
         path
         for path, module in model.named_modules()
         if path and _OUTERMOST_INDEXED.match(path) and any(True for _ in module.parameters())
     ]
+    return _with_owners_outside(model, blocks)
+
+
+def _with_owners_outside(model: nn.Module, blocks: list[str]) -> list[str]:
+    """``blocks``, and each module outside them that owns params itself, in module order.
+
+    [Note: a unit per module outside the blocks]
+    Not one unit for everything outside the blocks: its gathers would all be traced where
+    the root's forward begins, under the root's module path, and the compile passes,
+    which bucket by module path, would then put the head's gather in one bucket with the
+    embedding's (gathered for the whole forward) and cut backward's reduce-scatters
+    differently. A unit per module keeps the paths, and the compiled graphs, of gathering
+    on each read (tests/runtime/test_units.py compares them)."""
+    inside = tuple(f"{b}." for b in blocks)
+    owners = [
+        path
+        for path, module in model.named_modules()
+        if path
+        and path not in blocks
+        and not path.startswith(inside)
+        and any(p is not None for p in module._parameters.values())
+    ]
+    return sorted([*blocks, *owners], key=[p for p, _ in model.named_modules()].index)
 
 
 def unit_paths(model: nn.Module, units: UnitSpec) -> list[str]:
@@ -132,8 +159,9 @@ def unit_paths(model: nn.Module, units: UnitSpec) -> list[str]:
     if isinstance(units, str):
         if units != "auto":
             raise ValueError(
-                f"fczero: units={units!r} is not an option; pass 'auto' (the default), None "
-                "(gather on each read) or a list of modules or module classes."
+                f"fczero: units={units!r} is not an option; pass 'auto' (each block gathered "
+                "whole), None (the default: each read gathers) or a list of modules or "
+                "module classes."
             )
         return ["", *auto_unit_paths(model)]
     wanted = list(units)
@@ -156,7 +184,11 @@ def unit_paths(model: nn.Module, units: UnitSpec) -> list[str]:
             "fczero: a module passed in units is not a submodule of the model; pass modules "
             "of the model being parallelized (or their classes)."
         )
-    return ["", *paths]
+    outermost = [p for p in paths if not any(p.startswith(f"{q}.") for q in paths)]
+    nested = [p for p in paths if p not in outermost]
+    units = _with_owners_outside(model, outermost)
+    order = [p for p, _ in model.named_modules()]
+    return ["", *sorted([*units, *nested], key=order.index)]
 
 
 def build_units(model: nn.Module, units: UnitSpec, states: dict[int, ParamState]) -> list[Unit]:

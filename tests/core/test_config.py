@@ -58,7 +58,11 @@ def test_old_names_still_work_and_say_the_new_spelling(fake_pg, old, policy, exp
     with pytest.warns(DeprecationWarning) as caught:
         model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), **old)
     assert getattr(_options(model), policy) == expected
-    messages = [str(w.message) for w in caught if "fczero" in str(w.message)]
+    messages = [
+        str(w.message)
+        for w in caught
+        if "fczero" in str(w.message) and issubclass(w.category, DeprecationWarning)
+    ]  # (offload_params on a CPU mesh also warns that it changes nothing there)
     assert len(messages) == len(old)  # one warning per old name
     for name, message in zip(old, messages):
         assert f"option {name!r} is deprecated; write " in message

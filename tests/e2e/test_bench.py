@@ -292,7 +292,7 @@ def test_select_arms() -> None:
     assert [a.name for a in select_arms("all")] == [n for n in ARMS if n not in MEMORY_ARMS]
     assert [a.name for a in select_arms("memory")] == MEMORY_ARMS
     assert [a.name for a in select_arms("fczero-eager,floor")] == ["floor", "fczero-eager"]
-    core = [a.name for a in select_arms("all", skip="deepspeed,ddp,unshard,overlap")]
+    core = [a.name for a in select_arms("all", skip="deepspeed,ddp,unshard,overlap,units")]
     assert core == [
         "floor",
         "floor-cudagraphs",
@@ -306,6 +306,9 @@ def test_select_arms() -> None:
         "fczero-256mib",
     ]
     assert [a.name for a in select_arms("cudagraphs")] == ["floor-cudagraphs", "fczero-cudagraphs"]
+    assert [a.name for a in select_arms("units")] == [
+        "fczero-eager-units", "fczero-compiled-units", "fczero-cudagraphs-units"
+    ]  # fmt: skip
     with pytest.raises(ValueError, match="unknown arm 'fsdp3'"):
         select_arms("fsdp3")
 

@@ -37,18 +37,20 @@ CASES = {
 }
 
 
-def test_auto_units_are_the_outermost_indexed_children():
-    assert auto_unit_paths(loop_moe()) == ["layers.0", "layers.1"]  # not the experts
-    assert auto_unit_paths(tiny_llama()) == ["layers.0", "layers.1"]
-    assert unit_paths(loop_moe(), "auto") == ["", "layers.0", "layers.1"]
+def test_auto_units_are_the_blocks_and_each_owner_outside_them():
+    # the blocks, not the experts inside them; outside them, each module with params of its own
+    assert auto_unit_paths(loop_moe()) == ["embed", "layers.0", "layers.1", "head"]
+    assert auto_unit_paths(tiny_llama()) == ["embed", "layers.0", "layers.1", "norm", "output"]
+    assert unit_paths(loop_moe(), "auto") == ["", "embed", "layers.0", "layers.1", "head"]
     assert unit_paths(loop_moe(), None) == []
 
 
 def test_named_units_are_found_by_module_or_class():
     model = loop_moe()
     paths = unit_paths(model, [Expert, model.layers[1]])
-    assert paths == ["", *[f"layers.0.moe.experts.{e}" for e in range(4)], "layers.1",
-                     *[f"layers.1.moe.experts.{e}" for e in range(4)]]  # fmt: skip
+    outside = ["embed", "layers.0.norm", "layers.0.moe.router"]  # owners outside the named
+    assert paths == ["", *outside, *[f"layers.0.moe.experts.{e}" for e in range(4)], "layers.1",
+                     *[f"layers.1.moe.experts.{e}" for e in range(4)], "head"]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -124,3 +126,30 @@ def test_data_dependent_reads_train_like_one_process(trained, name, backend):
         assert grads.keys() == dict(reference.named_parameters()).keys()
         for param_name, param in reference.named_parameters():
             torch.testing.assert_close(grads[param_name], param.grad, **FP32, msg=param_name)
+
+
+def _passed_graphs(units) -> list[list[str]]:
+    from fczero.testing.backends import recording
+    from fczero.testing.graphs import collective_sequence, saved_unsharded
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = fczero.parallelize(
+        tiny_llama(), init_device_mesh("cpu", (2,)), units=units,
+        comm_policy=fczero.CommPolicy(keep_unsharded=0, bucket_bytes=8 * 1024),
+    )  # fmt: skip
+    graphs: list = []
+    tokens = torch.randint(0, 64, (2, 16))
+    torch.compile(model, backend=recording(graphs), fullgraph=True)(tokens).sum().backward()
+    fw, bw = graphs
+    return [collective_sequence(fw), collective_sequence(bw), saved_unsharded(fw)]
+
+
+def test_compiled_graphs_after_the_passes_do_not_depend_on_units(fake_pg):
+    """A unit's gathers are traced where it begins; the passes issue each where it is used
+    and bucket in that order, so the compiled forward and backward issue the same
+    collectives in the same order with units as without, and save no unsharded param."""
+    with_units, without = _passed_graphs("auto"), _passed_graphs(None)
+    assert with_units == without
+    fw, _, saved = with_units
+    assert len([c for c in fw if c.startswith("all_gather")]) >= 3 and saved == []

@@ -15,6 +15,9 @@ from fczero.testing.distributed import gpu_world_size, run_on_ranks
 
 
 def _one_fails_one_dies(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    dist.barrier()  # both ranks connected: rank 0's setup cannot fail on rank 1's exit
     if rank == 1:
         os._exit(3)  # as a rank that aborts in C code leaves no Python traceback
     raise ValueError("rank 0's own error")
