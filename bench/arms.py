@@ -219,7 +219,18 @@ def build_floor_cuda_graphs(ctx: ArmContext) -> Arm:
     return _floor(ctx, mode=CUDA_GRAPHS)
 
 
-def _fsdp2(ctx: ArmContext, *, compile_blocks: bool) -> Arm:
+def build_floor_per_block(ctx: ArmContext) -> Arm:
+    """The floor with each block compiled on its own (``block.compile()``), the rest eager:
+    the faster floor on some checkpointed models (the realistic regime takes the better)."""
+    model = build_model(ctx)
+    root = LossModule(model, autocast_dtype=BF16)
+    for block in model.layers:
+        block.compile(backend=ctx.compile_backend)
+    opt = adamw(root.parameters(), ctx)
+    return Arm(step=train_step(root, opt), keep=[root, opt])
+
+
+def _fsdp2(ctx: ArmContext, *, compile_blocks: bool, compile_whole: bool = False) -> Arm:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build_model(ctx)
@@ -232,7 +243,8 @@ def _fsdp2(ctx: ArmContext, *, compile_blocks: bool) -> Arm:
         for block in model.layers:
             block.compile(backend=ctx.compile_backend)
     opt = adamw(root.parameters(), ctx)
-    return Arm(step=train_step(root, opt), keep=[root, opt])
+    step = torch.compile(root, backend=ctx.compile_backend) if compile_whole else root
+    return Arm(step=train_step(step, opt), keep=[root, step, opt])
 
 
 def build_fsdp2_eager(ctx: ArmContext) -> Arm:
@@ -241,6 +253,10 @@ def build_fsdp2_eager(ctx: ArmContext) -> Arm:
 
 def build_fsdp2_compiled(ctx: ArmContext) -> Arm:
     return _fsdp2(ctx, compile_blocks=True)
+
+
+def build_fsdp2_compiled_whole(ctx: ArmContext) -> Arm:
+    return _fsdp2(ctx, compile_blocks=False, compile_whole=True)
 
 
 def build_ddp(ctx: ArmContext) -> Arm:
@@ -646,6 +662,12 @@ ARMS: dict[str, ArmSpec] = {
             needs_cuda=True,
         ),
         ArmSpec(
+            name="floor-per-block",
+            label="floor, each block compiled",
+            build=build_floor_per_block,
+            communicates=False,
+        ),
+        ArmSpec(
             name="floor-eager",
             label="floor eager (autocast, no comm)",
             build=build_floor_eager,
@@ -654,6 +676,11 @@ ARMS: dict[str, ArmSpec] = {
         ArmSpec(name="fsdp2-eager", label="FSDP2 eager", build=build_fsdp2_eager),
         ArmSpec(
             name="fsdp2-compiled", label="FSDP2 compiled per block", build=build_fsdp2_compiled
+        ),
+        ArmSpec(
+            name="fsdp2-compiled-whole",
+            label="FSDP2 per block, whole model compiled",
+            build=build_fsdp2_compiled_whole,
         ),
         ArmSpec(name="ddp", label="DDP (autocast)", build=build_ddp),
         ArmSpec(name="fczero-eager", label="fczero eager", build=build_fczero_eager),
@@ -822,6 +849,11 @@ GROUPS: dict[str, list[str]] = {
     ],  # fmt: skip
     "cudagraphs": ["floor-cudagraphs", "fczero-cudagraphs"],
     "units": ["fczero-eager-units", "fczero-compiled-units", "fczero-cudagraphs-units"],
+    # regime R (``--model llama3-3b --regimes R``): both floors, FSDP2 both ways, fczero
+    "realistic": [
+        "floor", "floor-per-block", "fsdp2-compiled", "fsdp2-compiled-whole", "fczero-compiled",
+        "fczero-compiled-units", "fczero-cudagraphs", "fczero-cudagraphs-units",
+    ],  # fmt: skip
     "unshard": [
         "fczero-regather", "fczero-unshard-512mib", "fczero-keep-all",
         "fczero-keep-all-cudagraphs", "fczero-auto-cudagraphs",

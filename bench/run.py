@@ -40,8 +40,17 @@ from fczero.models.llama import LlamaConfig
 
 logger = logging.getLogger("fczero.bench")
 
-REGIMES: dict[str, tuple[int, int]] = {"C": (4, 2048), "M": (1, 1024)}
-"""Regime name -> (per-GPU batch, sequence length), as in shared/BENCHMARK.md."""
+REGIMES: dict[str, tuple[int, int]] = {"C": (4, 2048), "M": (1, 1024), "R": (1, 4096)}
+"""Regime name -> (per-GPU batch, sequence length). R, the realistic regime, is meant for
+``--model llama3-3b`` (Llama-3.2-3B's shape, each block checkpointed)."""
+
+MODELS: dict[str, dict[str, object]] = {
+    "bench": {"dim": 2048, "layers": 16, "heads": 16, "kv_heads": None, "ffn": 5632,
+              "vocab": 32000, "tie": False, "checkpointing": "none"},
+    "llama3-3b": {"dim": 3072, "layers": 28, "heads": 24, "kv_heads": 8, "ffn": 8192,
+                  "vocab": 128256, "tie": True, "checkpointing": "full"},
+}  # fmt: skip
+"""``--model`` presets: the sizes any of ``--dim`` ... ``--checkpointing`` leaves unset."""
 
 SMOKE: dict[str, object] = {
     "cpu": True, "dim": 64, "layers": 2, "heads": 4, "ffn": 172, "vocab": 256, "batch": 2,
@@ -58,7 +67,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
       "fsdp2, floor, fsdp2-eager, fsdp2-compiled, ddp, fczero-eager, fczero-compiled, "
       "deepspeed-zero3, deepspeed-deepcompile")  # fmt: skip
     a("--skip", default="", help="arms or groups to leave out")
-    a("--regimes", default="C,M", help="C (4 x 2048) and/or M (1 x 1024); default C,M")
+    a("--regimes", default="C,M",
+      help="C (4 x 2048), M (1 x 1024), R (1 x 4096); default C,M")
     a("--batch", type=int, help="per-GPU batch: with --seq, one custom regime instead of --regimes")
     a("--seq", type=int, help="sequence length of the custom regime")
     a("--dim", type=int, help="model width (default: the 953M benchmark model's 2048)")
@@ -66,6 +76,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a("--heads", type=int, help="attention heads (default 16)")
     a("--ffn", type=int, help="SwiGLU hidden width (default 5632)")
     a("--vocab", type=int, help="vocabulary (default 32000)")
+    a("--model", choices=sorted(MODELS), default="bench",
+      help="size preset: bench (the 953M model, default) or llama3-3b (regime R's model)")
+    a("--kv-heads", type=int, help="key/value heads, grouped-query attention (default: --heads)")
+    a("--tie", action="store_true", default=None, help="tie the embedding and the output")
+    a("--checkpointing", choices=["none", "full", "selective"],
+      help="activation checkpointing of each block (bench: none; llama3-3b: full)")
     a("--steps", type=int, help="timed steps after warm-up (default 10)")
     a("--warmup", type=int, help="warm-up steps, the first (compiling) one included (default 5)")
     a("--lr", type=float, help="AdamW learning rate (default 3e-4)")
@@ -93,8 +109,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     defaults: dict[str, object] = {
-        "cpu": False, "dim": 2048, "layers": 16, "heads": 16, "ffn": 5632, "vocab": 32000,
-        "arms": "all", "steps": 10, "warmup": 5, "lr": 3e-4,
+        **MODELS[args.model], "cpu": False, "arms": "all", "steps": 10, "warmup": 5, "lr": 3e-4,
     }  # fmt: skip
     for key, value in {**defaults, **(SMOKE if args.smoke else {})}.items():
         if getattr(args, key, None) is None:
@@ -409,7 +424,8 @@ def worker(args: argparse.Namespace) -> int:
     plan = regimes(args)
     cfg = LlamaConfig(
         vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
-        ffn_dim=args.ffn, max_seq_len=max(seq for _, seq in plan.values()),
+        n_kv_heads=args.kv_heads, ffn_dim=args.ffn, tie_embeddings=bool(args.tie),
+        checkpointing=args.checkpointing, max_seq_len=max(seq for _, seq in plan.values()),
     )  # fmt: skip
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)

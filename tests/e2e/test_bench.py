@@ -292,7 +292,8 @@ def test_select_arms() -> None:
     assert [a.name for a in select_arms("all")] == [n for n in ARMS if n not in MEMORY_ARMS]
     assert [a.name for a in select_arms("memory")] == MEMORY_ARMS
     assert [a.name for a in select_arms("fczero-eager,floor")] == ["floor", "fczero-eager"]
-    core = [a.name for a in select_arms("all", skip="deepspeed,ddp,unshard,overlap,units")]
+    skip = "deepspeed,ddp,unshard,overlap,units,floor-per-block,fsdp2-compiled-whole"
+    core = [a.name for a in select_arms("all", skip=skip)]
     assert core == [
         "floor",
         "floor-cudagraphs",
@@ -498,3 +499,26 @@ def test_host_memory_sees_an_arms_own_peak() -> None:
     assert seen["host_peak_gib"] - seen["host_base_gib"] >= 60 / 1024
     host.start()  # the next arm starts from what is resident now, not the old peak
     assert host.read()["host_peak_gib"] < seen["host_peak_gib"]
+
+
+def test_realistic_regime_smoke_run(tmp_path: Path) -> None:
+    """Regime R's pieces on the CPU: grouped-query attention, tied embeddings, every block
+    checkpointed (selective), the per-block floor, FSDP2 compiled whole, fczero with units
+    (aot_eager: no code generation on a 2-core machine)."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = tmp_path / "realistic"
+    arms = "floor-per-block,fsdp2-eager,fsdp2-compiled-whole,fczero-compiled-units"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--smoke", "--kv-heads", "2", "--tie",
+         "--checkpointing", "selective", "--arms", arms, "--compile-backend", "aot_eager",
+         "--out", str(out)],
+        check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    records = {r["arm"]: r for r in map(json.loads, (out / report.RESULTS).read_text().splitlines())}
+    assert set(records) == set(arms.split(","))
+    for r in records.values():
+        assert r["status"] == "ok", r.get("error")
+        assert r["loss_at_n"] < r["loss_first"]  # it trains
+    for name in ("fsdp2-compiled-whole", "fczero-compiled-units"):
+        assert records[name]["loss_agrees"] is True, records[name]["loss_rel_diff"]

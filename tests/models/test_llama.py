@@ -49,3 +49,47 @@ def test_the_loss_starts_near_uniform_and_a_bad_width_is_refused():
     assert abs(loss.item() - math.log(64)) < 1.0
     with pytest.raises(ValueError, match=r"dim=30 must be divisible by n_heads=4"):
         LlamaConfig(dim=30, n_heads=4)
+
+
+def test_grouped_query_attention_shares_each_kv_head_among_its_query_heads():
+    """n_kv_heads=2 of 4: the fused projection is (D + 2 * kv) wide; with each kv head's
+    weights copied from a full-attention model's first head of its group, the outputs agree."""
+    torch.manual_seed(0)
+    gqa = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=40))
+    full = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, ffn_dim=40))
+    assert gqa.layers[0].attn.wqkv.weight.shape == (32 + 2 * 16, 32)
+    assert gqa.cfg.num_params() == sum(p.numel() for p in gqa.parameters())
+    state = {k: v for k, v in gqa.state_dict().items() if "wqkv" not in k}
+    q, k, v = gqa.layers[0].attn.wqkv.weight.detach().split([32, 16, 16])
+    hd = 8  # each kv head (8 rows) serves query heads 2i and 2i + 1
+    k_full, v_full = (t.view(2, hd, 32).repeat_interleave(2, dim=0).reshape(32, 32) for t in (k, v))
+    state["layers.0.attn.wqkv.weight"] = torch.cat([q, k_full, v_full])
+    full.load_state_dict(state)
+    tokens = torch.randint(0, 64, (2, 9))
+    torch.testing.assert_close(gqa(tokens), full(tokens))
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointing_changes_no_number(mode):
+    def grads(checkpointing: str):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=40,
+                          checkpointing=checkpointing)  # fmt: skip
+        model = Llama(cfg)
+        model.loss(torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))).backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    expected, actual = grads("none"), grads(mode)
+    for name, grad in expected.items():
+        torch.testing.assert_close(actual[name], grad, msg=name)
+
+
+def test_the_realistic_preset_is_llama_3_2_3b_shaped():
+    cfg = LlamaConfig.llama3_3b()
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.kv_heads, cfg.ffn_dim) == (3072, 28, 24, 8, 8192)
+    assert cfg.tie_embeddings and cfg.vocab_size == 128256 and cfg.checkpointing == "full"
+    assert round(cfg.num_params() / 1e9, 2) == 3.21
+    with pytest.raises(ValueError, match="n_kv_heads=5 must divide n_heads=4"):
+        LlamaConfig(dim=32, n_heads=4, n_kv_heads=5)
+    with pytest.raises(ValueError, match="checkpointing='some'"):
+        LlamaConfig(checkpointing="some")

@@ -1,7 +1,8 @@
 """Units ([Note: units] in fczero/runtime/units.py): which modules are units, bad ``units``
 refused before anything changes, and models whose reads depend on the data (experts
 skipped on one rank only, a branch taken on one rank only) training on 2 gloo ranks like
-one process, eager and compiled, with the first step's grads compared one by one."""
+one process, eager and compiled, with the first step's grads compared one by one; so do
+grouped-query Llamas with tied embeddings and every block checkpointed (full, selective)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fczero
+from fczero.models import Llama, LlamaConfig
 from fczero.runtime.units import auto_unit_paths, unit_paths
 from fczero.testing import parity
 from fczero.testing.distributed import run_on_ranks
-from tests.models import tiny_llama
+from tests.models import tiny_llama, token_batches
 from tests.models.moe import (
     BranchModel,
     Expert,
@@ -29,11 +31,25 @@ from tests.models.moe import (
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 
+def _gqa(checkpointing: str) -> Llama:
+    """Grouped-query attention, tied embeddings, each block checkpointed inside the unit."""
+    return Llama(LlamaConfig(
+        vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=40,
+        tie_embeddings=True, checkpointing=checkpointing,
+    ))  # fmt: skip
+
+
+_GQA_FULL = functools.partial(_gqa, "full")
+_GQA_SELECTIVE = functools.partial(_gqa, "selective")
+_TOKENS = functools.partial(token_batches, steps=3)
+
 #: name -> (model for a rank, model for the one-process reference, batches, loss)
 CASES = {
     "loop": (loop_moe, loop_moe, moe_batches, parity.cross_entropy),
     "packed": (packed_moe, packed_moe, moe_batches, parity.cross_entropy),
     "branch": (BranchModel, functools.partial(BranchModel, 2), branch_batches, parity.mse),
+    "gqa-full": (_GQA_FULL, _GQA_FULL, _TOKENS, parity.cross_entropy),
+    "gqa-selective": (_GQA_SELECTIVE, _GQA_SELECTIVE, _TOKENS, parity.cross_entropy),
 }
 
 
