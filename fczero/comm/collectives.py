@@ -37,7 +37,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 _c10d = torch.ops._c10d_functional
 
 
-def _tracing() -> bool:
+def tracing() -> bool:
     """True while Dynamo or AOT autograd trace (fake tensors or a proxy mode are active)."""
     if torch.compiler.is_compiling():
         return True
@@ -49,7 +49,7 @@ def _tracing() -> bool:
 def _async(t: torch.Tensor, group_name: str) -> torch.Tensor:
     """In eager, defer the wait to hand-off (or, on gloo, wait now: see
     ``one_at_a_time``); in a traced graph, emit ``wait_tensor``."""
-    if _tracing() or one_at_a_time(group_name):
+    if tracing() or one_at_a_time(group_name):
         return _c10d.wait_tensor(t)
     return AsyncCollectiveTensor(t)
 
@@ -98,7 +98,7 @@ def wait_on(t: torch.Tensor) -> torch.Tensor:
     registers a Python autograd kernel for ``wait_tensor`` (an identity), and a plain
     result needs no grad link.
     """
-    if not _tracing():
+    if not tracing():
         with torch._C._AutoDispatchBelowAutograd():
             _c10d.wait_tensor(t)
     return t
@@ -127,7 +127,7 @@ def alone(group_size: int) -> bool:
     plan them the same way at any world size, and at one rank the in-place pass makes
     each reduce an all-reduce in place (docs/passes.md, pass 7).
     """
-    return group_size == 1 and not _tracing()
+    return group_size == 1 and not tracing()
 
 
 def all_gather(shard: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
@@ -194,15 +194,15 @@ def average_(grad: torch.Tensor, group_size: int, replicate: tuple[int, str] | N
     return grad.div_(ranks) if ranks != 1 else grad
 
 
-def _over_replicas(t: torch.Tensor, replicate: tuple[int, str] | None) -> torch.Tensor:
+def over_replicas(t: torch.Tensor, replicate: tuple[int, str] | None) -> torch.Tensor:
     return t if replicate is None else all_reduce_sum(t, replicate[1])
 
 
-def _to(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+def cast_to(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
-def _reduce_dtype_of(grad: torch.Tensor, reduce_dtype: torch.dtype | None) -> torch.dtype:
+def reduce_dtype_of(grad: torch.Tensor, reduce_dtype: torch.dtype | None) -> torch.dtype:
     return grad.dtype if reduce_dtype is None else reduce_dtype
 
 
@@ -212,15 +212,15 @@ class _GatherShard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, group_size, group_name, param_dtype, reduce_dtype, replicate):  # type: ignore[override]
         ctx.meta = (group_size, group_name, reduce_dtype, shard.dtype, replicate)
-        full = all_gather(_to(shard, param_dtype), group_size, group_name)
+        full = all_gather(cast_to(shard, param_dtype), group_size, group_name)
         return full.clone() if full is shard else full  # (one rank, no cast: storage of its own)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         group_size, group_name, reduce_dtype, shard_dtype, replicate = ctx.meta
-        grad = _average(_to(grad, _reduce_dtype_of(grad, reduce_dtype)), group_size, replicate)
-        reduced = _over_replicas(reduce_scatter_sum(grad, group_size, group_name), replicate)
-        return _to(reduced, shard_dtype), None, None, None, None, None
+        grad = _average(cast_to(grad, reduce_dtype_of(grad, reduce_dtype)), group_size, replicate)
+        reduced = over_replicas(reduce_scatter_sum(grad, group_size, group_name), replicate)
+        return cast_to(reduced, shard_dtype), None, None, None, None, None
 
 
 class _ReplicateScalar(torch.autograd.Function):
@@ -229,14 +229,14 @@ class _ReplicateScalar(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, group_size, group_name, param_dtype, reduce_dtype, replicate):  # type: ignore[override]
         ctx.meta = (group_size, group_name, reduce_dtype, local.dtype, replicate)
-        return _to(local, param_dtype).clone()
+        return cast_to(local, param_dtype).clone()
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         group_size, group_name, reduce_dtype, local_dtype, replicate = ctx.meta
-        grad = _average(_to(grad, _reduce_dtype_of(grad, reduce_dtype)), group_size, replicate)
-        reduced = _over_replicas(all_reduce_sum(grad, group_name), replicate)
-        return _to(reduced, local_dtype), None, None, None, None, None
+        grad = _average(cast_to(grad, reduce_dtype_of(grad, reduce_dtype)), group_size, replicate)
+        reduced = over_replicas(all_reduce_sum(grad, group_name), replicate)
+        return cast_to(reduced, local_dtype), None, None, None, None, None
 
 
 def gather_shard(

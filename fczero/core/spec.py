@@ -101,7 +101,7 @@ def gather_traced(local: torch.Tensor, c: GatherConstants) -> torch.Tensor:
     so the partitioner gathers again in backward rather than save the unsharded param."""
     if not c[1]:
         return gather_with(local, c)
-    return checkpoint(gather_with, local, c, use_reentrant=False, context_fn=_recompute_everything)
+    return checkpoint(gather_with, local, c, use_reentrant=False, context_fn=recompute_everything)
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ class ShardSpec:
         if torch.compiler.is_compiling():
             traced = self.traced  # one guard for every constant (see the module docstring)
             if traced[0]:
-                return gather_traced(_local(param), traced)
+                return gather_traced(local_shard(param), traced)
         full = self._unshard_local(param, eager)
         if self.tensor_parallel is not None:
             return self.tensor_parallel.wrap(full)
@@ -182,7 +182,7 @@ class ShardSpec:
     def _unshard_local(self, param: torch.Tensor, eager: EagerGatherer) -> torch.Tensor:
         if self.is_scalar:
             return collectives.replicate_scalar(
-                self._on_device(_local(param)),
+                self.on_device(local_shard(param)),
                 self.group_size,
                 self.group_name,
                 self.param_dtype,
@@ -190,24 +190,24 @@ class ShardSpec:
                 self.replicate,
             )
         if torch.compiler.is_compiling():
-            return gather_traced(_local(param), self.traced)
+            return gather_traced(local_shard(param), self.traced)
         return eager.gather_eagerly(self, param)
 
-    def _on_device(self, local: torch.Tensor) -> torch.Tensor:
+    def on_device(self, local: torch.Tensor) -> torch.Tensor:
         """The shard where the collectives run (a copy from the host under param offload;
         its backward copies the grad back)."""
         if self.compute_device is None:
             return local
         return to_device(local, self.compute_device)
 
-    def _gather(self, local: torch.Tensor) -> torch.Tensor:
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
         return gather_with(local, self.traced)
 
     def regather(self, param: torch.Tensor) -> torch.Tensor:
         """Eager stage 3: issue the gather again, without autograd, for a saved-tensor
         unpack (asynchronous: the caller settles it, see ``collectives.settle``)."""
         with torch.no_grad():  # the regather is not differentiated: no grad link needed
-            return self._gather(param.to_local() if isinstance(param, DTensor) else param)
+            return self.gather(param.to_local() if isinstance(param, DTensor) else param)
 
 
 class _EagerLocal(torch.autograd.Function):
@@ -247,7 +247,7 @@ def eager_local(param: torch.Tensor) -> torch.Tensor:
     return _EagerLocal.apply(param) if isinstance(param, DTensor) else param
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
+def local_shard(param: torch.Tensor) -> torch.Tensor:
     """The local shard, linked to the sharded param by autograd (its grad is ``Shard(0)``)."""
     return param.to_local() if isinstance(param, DTensor) else param  # grad: same placements
 
@@ -256,7 +256,7 @@ def _must_recompute(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
-def _recompute_everything():
+def recompute_everything():
     return create_selective_checkpoint_contexts(_must_recompute)
 
 

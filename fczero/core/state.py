@@ -255,7 +255,7 @@ class ParamState:
         context = self.root.context
         if context is not None:
             return context.gather(spec, param)
-        return collectives.settle(spec._gather(eager_local(param)))
+        return collectives.settle(spec.gather(eager_local(param)))
 
     def differentiated(self, param: torch.Tensor) -> torch.Tensor:
         """What an eager gather of sharded ``param`` differentiates: the plain leaf, as

@@ -22,9 +22,9 @@ import logging
 import torch.fx as fx
 
 from fczero.comm.graph_ops import op_name
-from fczero.passes.bucketing import _bucket, flatten_inputs, hand_out, slices
+from fczero.passes.bucketing import bucket_collectives, flatten_inputs, hand_out, slices
 from fczero.passes.graph_utils import c10d, insert, position
-from fczero.passes.matching import Collective, _only_wait
+from fczero.passes.matching import Collective, only_wait
 
 logger = logging.getLogger("fczero")
 
@@ -36,7 +36,7 @@ def find_all_reduces(graph: fx.Graph, groups: set[str]) -> list[Collective]:
         if node.op != "call_function" or op_name(node) != "all_reduce":
             continue
         _, op, name = node.args[:3]
-        wait = _only_wait(node)
+        wait = only_wait(node)
         if name in groups and op == "sum" and wait is not None:
             found.append(Collective(node, wait, 0, name, []))
     return found
@@ -45,7 +45,7 @@ def find_all_reduces(graph: fx.Graph, groups: set[str]) -> list[Collective]:
 def bucket_all_reduces_pass(
     gm: fx.GraphModule, groups: set[str], bucket_bytes: int
 ) -> fx.GraphModule:
-    return _bucket(
+    return bucket_collectives(
         gm, find_all_reduces(gm.graph, groups), bucket_bytes, _merge_all_reduces, "all-reduces"
     )
 

@@ -128,7 +128,7 @@ def _kind(c: Collective) -> tuple:
 def bucket_all_gathers_pass(
     gm: fx.GraphModule, groups: set[str], bucket_bytes: int
 ) -> fx.GraphModule:
-    return _bucket(gm, find_gathers(gm.graph, groups), bucket_bytes, _merge_gathers, "all-gathers")
+    return bucket_collectives(gm, find_gathers(gm.graph, groups), bucket_bytes, _merge_gathers, "all-gathers")
 
 
 def bucket_reduce_scatters_pass(
@@ -136,10 +136,10 @@ def bucket_reduce_scatters_pass(
 ) -> fx.GraphModule:
     """``itemsize``: see ``plan_collective_buckets`` (the bytes of an element of ``param_dtype``)."""
     reduces = find_reduces(gm.graph, groups)
-    return _bucket(gm, reduces, bucket_bytes, _merge_reduces, "reduce-scatters", itemsize)
+    return bucket_collectives(gm, reduces, bucket_bytes, _merge_reduces, "reduce-scatters", itemsize)
 
 
-def _bucket(
+def bucket_collectives(
     gm: fx.GraphModule,
     collectives: list[Collective],
     bucket_bytes: int,

@@ -85,7 +85,7 @@ class Collective:
         return block_key(self.node)
 
 
-def _only_wait(node: fx.Node) -> fx.Node | None:
+def only_wait(node: fx.Node) -> fx.Node | None:
     users = list(node.users)
     if len(users) == 1 and op_name(users[0]) == "wait_tensor":
         return users[0]
@@ -118,7 +118,7 @@ def find_gathers(graph: fx.Graph, groups: set[str]) -> list[Collective]:
         if node.op != "call_function" or op_name(node) not in _GATHERS:
             continue
         _, size, name = node.args[:3]
-        gather = Collective(node, _only_wait(node), size, name, [])
+        gather = Collective(node, only_wait(node), size, name, [])
         if gather.in_place and op_name(node.args[0]) != "copy_":
             continue
         prep = _prep_chain(gather.input)
@@ -134,7 +134,7 @@ def find_reduces(graph: fx.Graph, groups: set[str]) -> list[Collective]:
         if node.op != "call_function" or op_name(node) != "reduce_scatter_tensor":
             continue
         _, op, size, name = node.args[:4]
-        wait = _only_wait(node)
+        wait = only_wait(node)
         if name in groups and op == "sum" and wait is not None:
             found.append(Collective(node, wait, size, name, []))
     return found

@@ -170,7 +170,7 @@ class _BucketGather(torch.autograd.Function):
     def backward(ctx, *grads):  # type: ignore[override]
         spec0, layouts = ctx.meta
         world, replicate = spec0.group_size, spec0.replicate
-        reduce_dtype = collectives._reduce_dtype_of(grads[0], spec0.reduce_dtype)
+        reduce_dtype = collectives.reduce_dtype_of(grads[0], spec0.reduce_dtype)
         if collectives.alone(world) and replicate is None:
             pieces = _own_grads(grads, layouts, reduce_dtype)
         else:
@@ -180,7 +180,7 @@ class _BucketGather(torch.autograd.Function):
             rank_major(grads, layouts, world, flat)
             collectives.average_(flat, world, replicate)
             reduced = collectives.reduce_scatter_sum(flat.view(-1), world, spec0.group_name)
-            reduced = collectives._over_replicas(reduced, replicate)
+            reduced = collectives.over_replicas(reduced, replicate)
             pieces = _shard_rows(reduced, layouts)
         out = [
             sharded_grad(piece, spec) if spec is not None else piece
@@ -199,7 +199,7 @@ def _own_grads(
     (the grads of ``a + b``, or the caller's own grad tensor), and no two params, nor the
     caller, may share a grad that an optimizer or a clip then changes in place."""
     return [
-        collectives._to(grad.to(reduce_dtype, copy=True), layout.shard_dtype)
+        collectives.cast_to(grad.to(reduce_dtype, copy=True), layout.shard_dtype)
         for grad, layout in zip(grads, layouts)
     ]
 
@@ -212,7 +212,7 @@ def _shard_rows(reduced: torch.Tensor, layouts: tuple[FlatLayout, ...]) -> list[
         piece = piece.view(layout.rows_per_rank, *layout.row_shape)
         if layout.local_rows != layout.rows_per_rank:
             piece = piece[: layout.local_rows]
-        pieces.append(collectives._to(piece, layout.shard_dtype))
+        pieces.append(collectives.cast_to(piece, layout.shard_dtype))
     return pieces
 
 

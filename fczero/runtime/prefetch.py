@@ -232,7 +232,7 @@ class EagerContext:
         return collectives.settle(self.prefetch.gather(spec, param, self))
 
     def gather_now(self, spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
-        return self.hand_over(spec, param, spec._gather(eager_local(param)))
+        return self.hand_over(spec, param, spec.gather(eager_local(param)))
 
     def hand_over(self, spec: ShardSpec, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """An eager gather on its way to the module: (stage 3) recorded so that saving it packs a recipe (``fczero.runtime.resharding``)."""

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fczero.comm import collectives
 from fczero.comm.reducer import whole_param
-from fczero.core.spec import _local, _recompute_everything, gather_traced
+from fczero.core.spec import gather_traced, local_shard, recompute_everything
 from fczero.core.state import ATTR, ParamState
 
 #: (user class, param names, in units) -> its wired subclass. Per process: a generated class holds
@@ -106,11 +106,11 @@ def unsharded_param(state: ParamState, param: torch.Tensor) -> torch.Tensor:
         if pending is not None and spec.keep_unsharded:
             state.reused = None  # the accumulation's last micro-batch: the step follows
     route, reducer = state.route, state.root.reducer
-    if reducer is None or route.index < 0 or collectives._tracing():
+    if reducer is None or route.index < 0 or collectives.tracing():
         reducer = None  # (compiled: the graph all-reduces each grad itself)
     elif not accumulating:
         reducer.expect(route.index)  # one more grad for its bucket to wait for
-    local = spec._on_device(_local(param))  # (param offload: from the host)
+    local = spec.on_device(local_shard(param))  # (param offload: from the host)
     acc = state.acc if accumulating else None
     return whole_param(local, whole, acc, pending, route, reducer)
 
@@ -119,16 +119,16 @@ def _gather_without_grad(state: ParamState, param: torch.Tensor) -> torch.Tensor
     """Stage 3 (or a 0-d param) while accumulating: the whole param, without the reduce
     that the core gather's backward would issue."""
     spec = state.spec
-    local = _local(param).detach()
+    local = local_shard(param).detach()
     if spec.is_scalar:
-        return collectives._to(spec._on_device(local), spec.param_dtype)
+        return collectives.cast_to(spec.on_device(local), spec.param_dtype)
     if spec.keep_unsharded:
         return _reuse_or_gather(state, local, param)
     if torch.compiler.is_compiling():
         return checkpoint(
-            spec._gather, local, use_reentrant=False, context_fn=_recompute_everything
+            spec.gather, local, use_reentrant=False, context_fn=recompute_everything
         )
-    full = spec._gather(local)
+    full = spec.gather(local)
     context = state.root.context
     if context is not None:
         context.register(full, spec, param)  # saved views regather in backward
@@ -147,6 +147,6 @@ def _reuse_or_gather(state: ParamState, local: torch.Tensor, param: torch.Tensor
     version = -1 if compiling else param._version
     if state.reused is not None and (compiling or state.reused_version == version):
         return state.reused
-    full = state.spec._gather(local)
+    full = state.spec.gather(local)
     state.reused, state.reused_version = full, version
     return full

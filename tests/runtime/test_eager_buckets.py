@@ -181,7 +181,7 @@ def _bucket_vs_single_grads(rank: int, world: int) -> bool:
     bucketed = [p.grad.to_local().clone() for _, p in members]
     for _, p in members:
         p.grad = None
-    singles = [spec._gather(p.to_local()) for spec, p in members]
+    singles = [spec.gather(p.to_local()) for spec, p in members]
     torch.autograd.backward([s.wait() if hasattr(s, "wait") else s for s in singles], upstream)
     ok = all(
         torch.equal(b, p.grad.to_local()) and torch.equal(f, s)
