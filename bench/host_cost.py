@@ -23,7 +23,7 @@ R rounds of ``--steps`` steps, the arms taking turns within each round; each pha
 the median over the rounds' medians. A burst of load from elsewhere then slows every arm
 of the round alike instead of one arm: on a 2-core machine, 16 blocks, the arms one
 after the other gave 0.97x to 2.12x of plain in five runs of two trees, interleaved (7
-rounds of 20 steps) 1.57x to 1.72x over four (docs/benchmarks.md). The plain arms then
+rounds of 20 steps) 1.57x to 1.72x over four (docs/benchmarks.md, earlier results). The plain arms then
 step with fczero's global optimizer hooks installed (about 30 us a step at 115 params).
 
 ``--threads`` (default 1) sets torch's intra-op threads for the run. The toy's kernels are

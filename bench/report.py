@@ -348,9 +348,9 @@ def write_docs(out_dir: Path, docs: Path) -> None:
 
 DOCS_INTRO = """# Benchmarks
 
-fczero against FSDP2, DDP, DeepSpeed and the compute-only floor, side by side, as
-`shared/BENCHMARK.md` specifies. On the 2 x H200 machine, from the repo root with `.whl/`
-carried: `bash bench/gpu_run.sh` (results in `$OUT`); then, here,
+fczero against FSDP2, DDP, DeepSpeed and the compute-only floor, side by side. On a GPU
+machine, from the repo root (DeepSpeed's wheels, if wanted, in `.whl/`):
+`bash bench/gpu_run.sh` (results in `$OUT`); then
 `python -m bench.report --out <that folder> --docs docs/benchmarks.md` rewrites this page.
 Compare numbers only within one run: absolute times move between machines.
 

@@ -272,7 +272,7 @@ def parallelize(
     model.register_forward_hook(_root_post_forward, always_call=True)
     if unit_paths:  # after the root's hooks: its unit gathers inside the forward's context
         states = {id(state.param): state for state in root.params}
-        gather_units.install(model, gather_units.build_units(model, units, states))
+        gather_units.install(model, gather_units.build_units(model, unit_paths, states))
     logger.info(
         "parallelized %s: %d params over %d ranks%s (%s)",
         type(model).__name__,

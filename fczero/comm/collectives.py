@@ -118,7 +118,7 @@ def alone(group_size: int) -> bool:
     Over a group of one rank an all-gather and a reduce-scatter each return their input,
     yet each call still costs host time: the dispatcher, torch's Python autograd kernel
     for the functional collectives, NCCL's launch and its flight recorder (14-56 us a
-    pair on one H100, docs/benchmarks.md), and the eager result is an
+    pair on one H100, docs/benchmarks.md, earlier results), and the eager result is an
     ``AsyncCollectiveTensor``. So in eager ``all_gather``, ``all_gather_waited`` and
     ``reduce_scatter_sum`` return their (contiguous) input without a collective, as FSDP2
     does at world size 1; ``_GatherShard`` copies it where it would alias the shard. The

@@ -60,7 +60,7 @@ class CommPolicy:
     """Most bytes (unsharded side) one bucketed collective carries: a compiled graph's
     all-gathers and reduce-scatters (whole blocks while they fit), eager all-gathers
     (runs of consecutive gathers) and stage 1's gradient all-reduces. 0: one collective
-    per param. 128 MiB is one block of the 953M benchmark model (docs/benchmarks.md)."""
+    per param. 128 MiB is one block of the 953M benchmark model (docs/benchmarks.md, earlier results)."""
 
     prefetch: int = 1
     """How many buckets ahead of its use an all-gather may be issued, compiled or eager

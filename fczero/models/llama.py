@@ -71,7 +71,7 @@ class LlamaConfig:
 
     @classmethod
     def benchmark(cls) -> LlamaConfig:
-        """The 953M-parameter model of shared/BENCHMARK.md."""
+        """The 953M-parameter model of the benchmark's regimes M and C (docs/benchmarks.md)."""
         return cls(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, ffn_dim=5632)
 
     @classmethod

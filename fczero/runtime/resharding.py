@@ -33,8 +33,10 @@ marked as mates (``group``); when one of them is first saved, all are listed, in
 unit's order, and the first unpack of any of them regathers them all, in that order
 (the others wait in ``ahead`` for their own unpack, or for the end of backward). The
 prefetch window then counts a unit's bytes as handed over once the unit is reached,
-whichever of its params were unpacked, so every rank decides alike. Under ``torch.compile`` none of this runs:
-the gather is tagged for recomputation instead (see ``sharding.ShardSpec.unshard``).
+whichever of its params were unpacked, so every rank decides alike.
+
+Under ``torch.compile`` none of this runs: the gather is tagged for recomputation instead
+(see ``fczero.core.spec.ShardSpec.unshard``).
 """
 
 from __future__ import annotations
@@ -249,19 +251,21 @@ class ReshardScope:
         unit = id(entry.mates[0])
         if unit == self.current_unit:
             return self.position[id(mates[0])]
-        again = unit in self.reached
+        if unit in self.reached:  # back in a unit it left: all of it again, from scratch
+            for mate in mates:
+                old = self.ahead.pop(id(mate), None)
+                if old is not None:
+                    _settle(old[1])
+                self.issued.discard(id(mate))
+            self._unissued = None
         self.current_unit, self.held = unit, {}
         self.reached.add(unit)
         for mate in mates:
             if id(mate) in self.counted:
                 self.counted.discard(id(mate))
                 self.ahead_bytes -= mate.nbytes
-            if again:
-                old = self.ahead.pop(id(mate), None)
-                if old is not None:
-                    _settle(old[1])
-            elif id(mate) in self.issued:
-                continue  # in flight (prefetched): in ``ahead``
+            if id(mate) in self.issued:
+                continue  # in flight (prefetched, or with an earlier mate's bucket): in ``ahead``
             self._hold(mate, self._issue(self.position[id(mate)]), count=False)
         return self.position[id(mates[0])]
 

@@ -149,7 +149,8 @@ def _with_owners_outside(model: nn.Module, blocks: list[str]) -> list[str]:
         and not path.startswith(inside)
         and any(p is not None for p in module._parameters.values())
     ]
-    return sorted([*blocks, *owners], key=[p for p, _ in model.named_modules()].index)
+    order = {p: i for i, (p, _) in enumerate(model.named_modules())}
+    return sorted([*blocks, *owners], key=order.__getitem__)
 
 
 def unit_paths(model: nn.Module, units: UnitSpec) -> list[str]:
@@ -187,14 +188,14 @@ def unit_paths(model: nn.Module, units: UnitSpec) -> list[str]:
     outermost = [p for p in paths if not any(p.startswith(f"{q}.") for q in paths)]
     nested = [p for p in paths if p not in outermost]
     units = _with_owners_outside(model, outermost)
-    order = [p for p, _ in model.named_modules()]
-    return ["", *sorted([*units, *nested], key=order.index)]
+    order = {p: i for i, (p, _) in enumerate(model.named_modules())}
+    return ["", *sorted([*units, *nested], key=order.__getitem__)]
 
 
-def build_units(model: nn.Module, units: UnitSpec, states: dict[int, ParamState]) -> list[Unit]:
-    """The units of ``model`` with their params' states (``states``: by id of sharded
-    param). Each param goes to the innermost unit holding the first module that owns it."""
-    paths = unit_paths(model, units)
+def build_units(model: nn.Module, paths: list[str], states: dict[int, ParamState]) -> list[Unit]:
+    """The units at ``paths`` (``unit_paths``) with their params' states (``states``: by id
+    of sharded param). Each param goes to the innermost unit holding the first module that
+    owns it."""
     if not paths:
         return []
     by_path = {path: Unit(path) for path in paths}
