@@ -3,7 +3,8 @@
 Every builder takes an :class:`ArmContext` and returns an :class:`Arm` whose
 ``step(tokens)`` runs forward, backward and one AdamW step on a (B, T+1) batch and
 returns the detached loss. All arms build the same ``Llama`` from the same seed
-(on the target device, so every rank starts from the same weights) and train it
+(on the target device, so every rank starts from the same weights; with ``ctx.hf``, Hugging
+Face's ``LlamaForCausalLM`` of the same shape, ``bench.hf_model``) and train it
 with ``AdamW(lr, betas=(0.9, 0.95), weight_decay=0)`` (``fused=True`` on CUDA):
 
 | arm | precision | parallelism |
@@ -57,6 +58,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from bench.hf_model import HFLlama
 from bench.metrics import StepFn
 from fczero.models.llama import Llama, LlamaConfig
 
@@ -83,6 +85,9 @@ class ArmContext:
     lr: float = 3e-4
     compile_backend: str = "inductor"
     """Backend for the compiled arms (``inductor``; ``eager``/``aot_eager`` to debug on CPU)."""
+    hf: bool = False
+    """Build Hugging Face's ``LlamaForCausalLM`` of ``cfg``'s shape (``bench.hf_model``)
+    instead of fczero's ``Llama``."""
 
 
 @dataclass(kw_only=True)
@@ -119,7 +124,7 @@ class LossModule(nn.Module):
     With ``autocast_dtype`` the loss runs under ``torch.autocast`` (fp32 params, bf16 matmuls).
     """
 
-    def __init__(self, model: Llama, autocast_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, model: Llama | HFLlama, autocast_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.model = model
         self.autocast_dtype = autocast_dtype
@@ -131,11 +136,11 @@ class LossModule(nn.Module):
             return self.model.loss(tokens)
 
 
-def build_model(ctx: ArmContext, device: torch.device | None = None) -> Llama:
+def build_model(ctx: ArmContext, device: torch.device | None = None) -> Llama | HFLlama:
     """The same initial weights on every rank and in every arm (on ``device``, default the arm's)."""
     torch.manual_seed(ctx.seed)
     with torch.device(device or ctx.device):
-        return Llama(ctx.cfg)
+        return HFLlama(ctx.cfg) if ctx.hf else Llama(ctx.cfg)
 
 
 def adamw(params: object, ctx: ArmContext, *, fused: bool = True) -> torch.optim.Optimizer:
@@ -314,16 +319,17 @@ def build_fczero_cuda_graphs(ctx: ArmContext) -> Arm:
     return _fczero(ctx, compiled=True, mode=CUDA_GRAPHS)
 
 
-def build_fczero_eager_units(ctx: ArmContext) -> Arm:
-    return _fczero(ctx, compiled=False, units="auto")
+def build_fczero_eager_per_read(ctx: ArmContext) -> Arm:
+    """Units off (``units=None``): each read gathers on its own, as before units."""
+    return _fczero(ctx, compiled=False, units=None)
 
 
-def build_fczero_compiled_units(ctx: ArmContext) -> Arm:
-    return _fczero(ctx, compiled=True, units="auto")
+def build_fczero_compiled_per_read(ctx: ArmContext) -> Arm:
+    return _fczero(ctx, compiled=True, units=None)
 
 
-def build_fczero_cuda_graphs_units(ctx: ArmContext) -> Arm:
-    return _fczero(ctx, compiled=True, mode=CUDA_GRAPHS, units="auto")
+def build_fczero_cuda_graphs_per_read(ctx: ArmContext) -> Arm:
+    return _fczero(ctx, compiled=True, mode=CUDA_GRAPHS, units=None)
 
 
 def build_fczero_cuda_graphs_auto(ctx: ArmContext) -> Arm:
@@ -592,7 +598,7 @@ def deepspeed_offload_config(ctx: ArmContext, *, cpu_adam: bool = True) -> dict[
         "zero_optimization": {
             "stage": 3, "overlap_comm": True, "contiguous_gradients": True,
             "offload_param": dict(offload), "offload_optimizer": dict(offload),
-        },  # fmt: skip
+        },
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
@@ -691,19 +697,19 @@ ARMS: dict[str, ArmSpec] = {
         ),
         ArmSpec(name="fczero-compiled", label="fczero compiled", build=build_fczero_compiled),
         ArmSpec(
-            name="fczero-eager-units",
-            label="fczero eager, units='auto'",
-            build=build_fczero_eager_units,
+            name="fczero-eager-per-read",
+            label="fczero eager, units=None (each read gathers)",
+            build=build_fczero_eager_per_read,
         ),
         ArmSpec(
-            name="fczero-compiled-units",
-            label="fczero compiled, units='auto'",
-            build=build_fczero_compiled_units,
+            name="fczero-compiled-per-read",
+            label="fczero compiled, units=None (each read gathers)",
+            build=build_fczero_compiled_per_read,
         ),
         ArmSpec(
-            name="fczero-cudagraphs-units",
-            label="fczero compiled, CUDA graphs, units='auto'",
-            build=build_fczero_cuda_graphs_units,
+            name="fczero-cudagraphs-per-read",
+            label="fczero compiled, CUDA graphs, units=None (each read gathers)",
+            build=build_fczero_cuda_graphs_per_read,
             needs_cuda=True,
         ),
         ArmSpec(
@@ -846,18 +852,23 @@ GROUPS: dict[str, list[str]] = {
     "deepspeed": [n for n in ARMS if n.startswith("deepspeed") and n not in MEMORY_ARMS],
     "fczero": [
         "fczero-eager", "fczero-nopasses", "fczero-compiled", "fczero-cudagraphs", "fczero-256mib"
-    ],  # fmt: skip
+    ],
     "cudagraphs": ["floor-cudagraphs", "fczero-cudagraphs"],
-    "units": ["fczero-eager-units", "fczero-compiled-units", "fczero-cudagraphs-units"],
-    # regime R (``--model llama3-3b --regimes R``): both floors, FSDP2 both ways, fczero
+    # units (the default) against each read gathering (units=None)
+    "units": [
+        "fczero-eager", "fczero-eager-per-read", "fczero-compiled", "fczero-compiled-per-read",
+        "fczero-cudagraphs", "fczero-cudagraphs-per-read",
+    ],
+    # regime R (``--model llama3-3b`` or ``hf-llama3-3b``, ``--regimes R``): both floors,
+    # FSDP2 both ways, fczero
     "realistic": [
         "floor", "floor-per-block", "fsdp2-compiled", "fsdp2-compiled-whole", "fczero-compiled",
-        "fczero-compiled-units", "fczero-cudagraphs", "fczero-cudagraphs-units",
-    ],  # fmt: skip
+        "fczero-cudagraphs",
+    ],
     "unshard": [
         "fczero-regather", "fczero-unshard-512mib", "fczero-keep-all",
         "fczero-keep-all-cudagraphs", "fczero-auto-cudagraphs",
-    ],  # fmt: skip
+    ],
     "overlap": _OVERLAP_ARMS,
     "fsdp2": ["fsdp2-eager", "fsdp2-compiled"],
 }

@@ -173,10 +173,12 @@ def _header(records: list[dict]) -> list[str]:
         f"- date: {meta.get('date', '?')}; GPU: {meta.get('gpu', '?')}; "
         f"torch {meta.get('torch', '?')}; commit {meta.get('commit', '?')}"
     )
+    impl = "Hugging Face LlamaForCausalLM, " if model.get("hf") else ""
     size = (
-        f"- model: dim {model.get('dim')}, {model.get('n_layers')} layers, {model.get('n_heads')} "
-        f"heads, FFN {model.get('ffn_dim')}, vocab {model.get('vocab_size')} "
-        f"({model.get('params', 0) / 1e6:.3g}M params); {first.get('world_size')} ranks; "
+        f"- model: {impl}dim {model.get('dim')}, {model.get('n_layers')} layers, "
+        f"{model.get('n_heads')} heads, FFN {model.get('ffn_dim')}, "
+        f"vocab {model.get('vocab_size')} ({model.get('params', 0) / 1e6:.3g}M params); "
+        f"{first.get('world_size')} ranks; "
         f"AdamW lr {first.get('lr')}"
     )
     timing = (
@@ -188,6 +190,21 @@ def _header(records: list[dict]) -> list[str]:
     return [date, size, timing]
 
 
+def _floor_note(records: list[dict]) -> list[str]:
+    """One line per floor that ``bench.run --floor-layers`` scaled to the model's depth."""
+    lines = []
+    for r in records:
+        scaled = r.get("floor_scaled")
+        if scaled and r.get("status") == "ok":
+            (n0, n), (t0, t1) = scaled["layers"], scaled["step_ms"]
+            lines.append(
+                f"- {r['regime']} / {r['arm']}: floor scaled from {n} layers to "
+                f"{scaled['full_layers']} (a line through {t0:.1f} ms at {n0} layers and "
+                f"{t1:.1f} ms at {n}); its peak GiB and first step are the {n}-layer model's"
+            )
+    return lines
+
+
 def markdown(records: list[dict]) -> str:
     """The summary table (regimes side by side) and one detailed table per regime."""
     if not records:
@@ -196,7 +213,7 @@ def markdown(records: list[dict]) -> str:
     regimes = regimes_of(records)
     arms = _arm_order(records)
     by_key = {(r["regime"], r["arm"]): r for r in records}
-    out = ["# fczero benchmark", "", *_header(records), "", "## Summary", ""]
+    out = ["# fczero benchmark", "", *_header(records), *_floor_note(records), "", "## Summary", ""]
     head = ["arm"]
     for g in regimes:
         head += [f"{g}: step ms", f"{g}: x floor", f"{g}: peak GiB"]

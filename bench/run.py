@@ -3,6 +3,8 @@
     torchrun --nproc-per-node 2 -m bench.run --out out/bench            # every arm, C and M
     python -m bench.run --arms core --regimes M --steps 10 --out out/m  # relaunches under torchrun
     python -m bench.run --smoke --out out/smoke                          # CPU, gloo, tiny model
+    python -m bench.run --smoke --model hf-tiny --arms realistic  # HF's LlamaForCausalLM, CPU
+    torchrun --nproc-per-node 8 -m bench.run --model llama3-8b --regimes R8 --floor-layers 8
 
 One process per GPU (NCCL), or per CPU rank with ``--cpu`` / ``--smoke`` (gloo).
 For each arm and regime: build the arm, time it (bench.metrics), optionally profile
@@ -11,6 +13,14 @@ arm's exception; the ranks then agree on the outcome over a separate gloo group,
 an arm that fails on one rank is recorded as failed on all and the run goes on. An
 arm still running after ``--arm-timeout`` seconds (a hang in a collective, say) is
 recorded as timed out and the run exits; what was recorded so far stays in OUT.
+
+A model that does not fit one GPU has no floor at full depth: ``--floor-layers N`` builds
+the floor arms (those that do not communicate) with N/2 and N blocks instead and fits
+step time as a line in the depth, ``t(L) = t(N) + (L - N) (t(N) - t(N/2)) / (N - N/2)``:
+the slope is one block's cost, the intercept the embedding, the output and their optimizer
+step, which a per-layer ratio ``t(N) L / N`` would count L / N times over
+(``scale_floor``). The record keeps both measurements under ``floor_scaled``; its label
+says "scaled from N/2 and N layers"; its peak memory and first step are the N-block model's.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -33,6 +43,7 @@ import torch.distributed as dist
 
 from bench import report
 from bench.arms import ArmContext, ArmSpec, ArmUnavailable, select_arms
+from bench.hf_model import CHECKPOINTING as HF_CHECKPOINTING
 from bench.metrics import HostMemory, derived, empty_host_cache, measure, reset_memory
 from bench.phases import time_phases
 from bench.profile import profile_steps
@@ -40,17 +51,32 @@ from fczero.models.llama import LlamaConfig
 
 logger = logging.getLogger("fczero.bench")
 
-REGIMES: dict[str, tuple[int, int]] = {"C": (4, 2048), "M": (1, 1024), "R": (1, 4096)}
+REGIMES: dict[str, tuple[int, int]] = {
+    "C": (4, 2048), "M": (1, 1024), "R": (1, 4096), "R8": (1, 8192),
+}  # fmt: skip
 """Regime name -> (per-GPU batch, sequence length). R, the realistic regime, is meant for
-``--model llama3-3b`` (Llama-3.2-3B's shape, each block checkpointed)."""
+``--model llama3-3b`` or ``hf-llama3-3b`` (Llama-3.2-3B's shape, each block checkpointed);
+R8 for ``--model llama3-8b`` (Llama-3-8B's shape, selective checkpointing), which takes
+``--floor-layers`` (its floor does not fit one GPU)."""
+
+_LLAMA3_3B: dict[str, object] = {
+    "dim": 3072, "layers": 28, "heads": 24, "kv_heads": 8, "ffn": 8192, "vocab": 128256,
+    "tie": True, "checkpointing": "full",
+}  # fmt: skip
 
 MODELS: dict[str, dict[str, object]] = {
     "bench": {"dim": 2048, "layers": 16, "heads": 16, "kv_heads": None, "ffn": 5632,
               "vocab": 32000, "tie": False, "checkpointing": "none"},
-    "llama3-3b": {"dim": 3072, "layers": 28, "heads": 24, "kv_heads": 8, "ffn": 8192,
-                  "vocab": 128256, "tie": True, "checkpointing": "full"},
+    "llama3-3b": _LLAMA3_3B,
+    "hf-llama3-3b": {**_LLAMA3_3B, "hf": True},
+    "llama3-8b": {"dim": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn": 14336,
+                  "vocab": 128256, "tie": False, "checkpointing": "selective"},
+    "hf-tiny": {"dim": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 172, "vocab": 256,
+                "tie": True, "checkpointing": "full", "hf": True},
 }  # fmt: skip
-"""``--model`` presets: the sizes any of ``--dim`` ... ``--checkpointing`` leaves unset."""
+"""``--model`` presets: the sizes any of ``--dim`` ... ``--checkpointing`` leaves unset.
+``hf: True``: Hugging Face's ``LlamaForCausalLM`` of that shape (bench.hf_model) instead of
+fczero's Llama; ``hf-tiny`` is the CPU smoke run's shape (``--smoke --model hf-tiny``)."""
 
 SMOKE: dict[str, object] = {
     "cpu": True, "dim": 64, "layers": 2, "heads": 4, "ffn": 172, "vocab": 256, "batch": 2,
@@ -68,7 +94,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
       "deepspeed-zero3, deepspeed-deepcompile")  # fmt: skip
     a("--skip", default="", help="arms or groups to leave out")
     a("--regimes", default="C,M",
-      help="C (4 x 2048), M (1 x 1024), R (1 x 4096); default C,M")
+      help="C (4 x 2048), M (1 x 1024), R (1 x 4096), R8 (1 x 8192); default C,M")  # fmt: skip
     a("--batch", type=int, help="per-GPU batch: with --seq, one custom regime instead of --regimes")
     a("--seq", type=int, help="sequence length of the custom regime")
     a("--dim", type=int, help="model width (default: the 953M benchmark model's 2048)")
@@ -77,11 +103,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a("--ffn", type=int, help="SwiGLU hidden width (default 5632)")
     a("--vocab", type=int, help="vocabulary (default 32000)")
     a("--model", choices=sorted(MODELS), default="bench",
-      help="size preset: bench (the 953M model, default) or llama3-3b (regime R's model)")
+      help="size preset: bench (the 953M model, default), llama3-3b (regime R's model), "
+      "hf-llama3-3b (that shape as Hugging Face's LlamaForCausalLM, random weights, HF's "
+      "own checkpointing), hf-tiny (a tiny LlamaForCausalLM: --smoke --model hf-tiny), "
+      "llama3-8b (Llama-3-8B's shape, regime R8's model)")  # fmt: skip
     a("--kv-heads", type=int, help="key/value heads, grouped-query attention (default: --heads)")
     a("--tie", action="store_true", default=None, help="tie the embedding and the output")
     a("--checkpointing", choices=["none", "full", "selective"],
-      help="activation checkpointing of each block (bench: none; llama3-3b: full)")
+      help="activation checkpointing of each block (bench: none; llama3-3b: full; "
+      "llama3-8b: selective); "
+      "the hf-* models take none or full")  # fmt: skip
+    a("--floor-layers", type=int,
+      help="build the floor arms with N/2 and N blocks and scale their step time to the "
+      "model's depth (a line through the two): for a model whose floor does not fit one GPU")  # fmt: skip
     a("--steps", type=int, help="timed steps after warm-up (default 10)")
     a("--warmup", type=int, help="warm-up steps, the first (compiling) one included (default 5)")
     a("--lr", type=float, help="AdamW learning rate (default 3e-4)")
@@ -109,13 +143,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     defaults: dict[str, object] = {
-        **MODELS[args.model], "cpu": False, "arms": "all", "steps": 10, "warmup": 5, "lr": 3e-4,
+        "hf": False, **MODELS[args.model], "cpu": False, "arms": "all", "steps": 10, "warmup": 5,
+        "lr": 3e-4,
     }  # fmt: skip
     for key, value in {**defaults, **(SMOKE if args.smoke else {})}.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     if (args.batch is None) != (args.seq is None):
         p.error("--batch and --seq go together (one custom regime)")
+    if args.floor_layers is not None and not 2 <= args.floor_layers < args.layers:
+        p.error(
+            f"--floor-layers {args.floor_layers}: the floor is measured at N/2 and N blocks, so "
+            f"N must be at least 2 and below the model's {args.layers} layers"
+        )
+    if args.hf and args.checkpointing not in HF_CHECKPOINTING:
+        p.error(
+            f"--checkpointing {args.checkpointing} is not offered for the Hugging Face model "
+            f"(--model {args.model}): HF checkpoints whole layers only; pick one of "
+            f"{', '.join(HF_CHECKPOINTING)}"
+        )
     return args
 
 
@@ -191,7 +237,7 @@ def _meta(args: argparse.Namespace, cfg: LlamaConfig, device: torch.device, worl
         "gpu_memory_gib": gpu_memory_gib,
         "torch": torch.__version__,
         "commit": args.commit or os.environ.get("FCZERO_COMMIT") or _git_commit(),
-        "model": {**asdict(cfg), "params": cfg.num_params()},
+        "model": {**asdict(cfg), "params": cfg.num_params(), "hf": getattr(args, "hf", False)},
     }
 
 
@@ -366,6 +412,63 @@ def run_arm(spec: ArmSpec, ctx: ArmContext, regime: str, args, batches, ctrl, ba
     }
 
 
+def floor_depths(floor_layers: int) -> tuple[int, int]:
+    """The two depths ``--floor-layers N`` measures the floor at: N // 2 and N blocks."""
+    return floor_layers // 2, floor_layers
+
+
+def scale_floor(low: dict, high: dict, *, full_layers: int, flops_per_token: int) -> dict:
+    """The floor's record at ``full_layers`` blocks from its records at two smaller depths.
+
+    Step time (and host time) is taken as a line in the depth through the two measurements:
+    ``t(L) = t(N) + (L - N) * (t(N) - t(N0)) / (N - N0)``; the slope is one block, the rest
+    (embedding, output, loss, their optimizer step) is counted once. Peak memory, first step
+    and losses stay the N-block model's; ``floor_scaled`` keeps what was measured.
+    """
+    n0, n = low["layers"], high["layers"]
+    label = f"{high['label']}, scaled from {n0} and {n} layers"
+    for r in (low, high):
+        if r["status"] != "ok":
+            return {**r, "label": label, "error": f"at {r['layers']} layers: {r['error']}"}
+
+    def line(key: str) -> float:
+        return high[key] + (full_layers - n) * (high[key] - low[key]) / (n - n0)
+
+    step_ms = line("step_ms")
+    scaled = {
+        "full_layers": full_layers,
+        "layers": [n0, n],
+        "rule": "t(L) = t(N) + (L - N) * (t(N) - t(N0)) / (N - N0)",
+        **{key: [low[key], high[key]] for key in
+           ("step_ms", "step_ms_all", "host_ms", "peak_mem_gib", "first_step_s")},
+    }  # fmt: skip
+    record = {**high, "label": label, "step_ms": step_ms, "step_ms_all": [],
+              "host_ms": line("host_ms"), "floor_scaled": scaled}  # fmt: skip
+    del record["layers"]
+    return {
+        **record,
+        **derived(step_ms, batch=high["batch"], seq_len=high["seq_len"],
+                  flops_per_token=flops_per_token),
+    }  # fmt: skip
+
+
+def run_floor_scaled(
+    spec: ArmSpec, ctx: ArmContext, regime: str, args, batches, ctrl, base: dict
+) -> dict:
+    """``--floor-layers``: the floor arm at two smaller depths, scaled to the model's."""
+    records = []
+    for n in floor_depths(args.floor_layers):
+        sub = replace(ctx, cfg=replace(ctx.cfg, n_layers=n))
+        if dist.get_rank() == 0:
+            logger.info("   %s at %d of %d layers", spec.name, n, ctx.cfg.n_layers)
+        records.append({**run_arm(spec, sub, regime, args, batches, ctrl, base), "layers": n})
+    return scale_floor(
+        *records,
+        full_layers=ctx.cfg.n_layers,
+        flops_per_token=ctx.cfg.flops_per_token(ctx.seq_len),
+    )
+
+
 def close_arm(arm) -> None:
     try:
         if arm is not None and arm.close is not None:
@@ -447,11 +550,13 @@ def worker(args: argparse.Namespace) -> int:
     for order, spec in enumerate(arms):
         for regime, (batch, seq) in plan.items():
             ctx = ArmContext(cfg=cfg, mesh=mesh, device=device, batch=batch, seq_len=seq,
-                             seed=args.seed, lr=args.lr, compile_backend=args.compile_backend)  # fmt: skip
+                             seed=args.seed, lr=args.lr, compile_backend=args.compile_backend,
+                             hf=args.hf)  # fmt: skip
             batches = make_batches(args, cfg, batch, seq, device)
             if rank == 0:
                 logger.info("== %s, regime %s (%d x %d per rank)", spec.name, regime, batch, seq)
-            record = run_arm(spec, ctx, regime, args, batches, ctrl, {**base, "order": order})
+            run = run_floor_scaled if args.floor_layers and not spec.communicates else run_arm
+            record = run(spec, ctx, regime, args, batches, ctrl, {**base, "order": order})
             del batches
             if rank == 0:
                 _write(args.out, record)

@@ -16,8 +16,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from fczero.comm import consistency
-from fczero.comm.meshes import MeshLayout, resolve_mesh
-from fczero.core import config, host_memory, memory, unsharding
+from fczero.comm.meshes import MeshLayout, resolve_mesh, root_group_name
+from fczero.core import config, cuda_graphs, host_memory, memory, unsharding
 from fczero.core import meta_init as meta_device_init
 from fczero.core.config import Options
 from fczero.core.policies import CheckPolicy, CommPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -59,7 +59,7 @@ def parallelize(
     check_policy: CheckPolicy | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
     meta_init: str = "module",
-    units: UnitSpec = None,
+    units: UnitSpec = "auto",
     **deprecated: object,
 ) -> nn.Module:
     """Shard every parameter of ``model`` over ``mesh`` (ZeRO stage 3 by default), in place.
@@ -121,13 +121,13 @@ def parallelize(
             param ever exists; random values then differ from a whole init as
             ``fczero/core/meta_init.py`` says).
         units: which modules gather their params as a whole when their forward begins
-            ([Note: units] in ``fczero/runtime/units.py``). ``"auto"``: each block (a
-            child of the outermost ``nn.ModuleList``/``nn.Sequential``), and outside the
-            blocks each module that owns params itself. A list of modules or module
-            classes: those, and outside them each module that owns params itself.
-            ``None`` (the default): each read gathers on its own, which is rank-safe only
-            when every rank reads the same params in the same order (no data-dependent
-            branches, such as experts skipped when they get no tokens).
+            ([Note: units] in ``fczero/runtime/units.py``). ``"auto"`` (the default): each
+            block (a child of the outermost ``nn.ModuleList``/``nn.Sequential``), and
+            outside the blocks each module that owns params itself. A list of modules or
+            module classes: those, and outside them each module that owns params itself.
+            ``None``: each read gathers on its own, which is rank-safe only when every
+            rank reads the same params in the same order (no data-dependent branches,
+            such as experts skipped when they get no tokens).
         **deprecated: the options of earlier versions (``param_dtype``, ``bucket_bytes``,
             ``offload_params``, ...) still work and warn with their new spelling
             (docs/api.md lists them).
@@ -207,6 +207,11 @@ def parallelize(
             )
         originals[id(param)] = param
         first_owner.append((path, param, specs_by_param[id(param)][1]))
+    # the name this root's collectives carry: [Note: a root's group name]
+    root_name = root_group_name(dp_mesh.get_group(), model)
+    if root_name != group_name:
+        for key, (sharded, spec) in specs_by_param.items():
+            specs_by_param[key] = sharded, dataclasses.replace(spec, group_name=root_name)
     selective = options.selective_unsharding
     kept = None
     if selective and not options.auto_unsharding:
@@ -250,9 +255,10 @@ def parallelize(
     _move_buffers(model, dp_mesh)
     quiet_gather_checkpoint_note()
     if options.comm.compile_passes:
-        _install_passes(dp_mesh, options, layout.replicate_mesh)
-    else:
-        registry.unregister(group_name)
+        root.passes = _pass_settings(root_name, dp_mesh, options, layout.replicate_mesh)
+        install()
+        offload_partition.install(required=options.offload.activations != "off")
+    registry.register(root_name, root)  # ([Note: from a graph to its root])
 
     guards.protect(model, params)  # ``params`` holds the replaced (old) params
     # Eager prefetch issues gathers from the order recorded on an earlier step, ahead of
@@ -273,6 +279,8 @@ def parallelize(
     if unit_paths:  # after the root's hooks: its unit gathers inside the forward's context
         states = {id(state.param): state for state in root.params}
         gather_units.install(model, gather_units.build_units(model, unit_paths, states))
+    if mesh_device(dp_mesh).type == "cuda" and mesh.size() > 1:
+        cuda_graphs.release_with(model)  # [Note: tearing down after CUDA graphs]
     logger.info(
         "parallelized %s: %d params over %d ranks%s (%s)",
         type(model).__name__,
@@ -362,12 +370,14 @@ def _move_buffers(model: nn.Module, mesh: DeviceMesh) -> None:
                 module._buffers[name] = buf.to(device)
 
 
-def _install_passes(
-    mesh: DeviceMesh, options: Options, replicate: DeviceMesh | None = None
-) -> None:
+def _pass_settings(
+    name: str, mesh: DeviceMesh, options: Options, replicate: DeviceMesh | None = None
+) -> registry.PassSettings:
+    """The settings of the root's compiled passes (``name``: the group name its collectives
+    carry), from its options."""
     budget = memory.device_budget(mesh_device(mesh), options.memory_budget)
-    registry.register(
-        mesh.get_group().group_name,
+    return registry.new_settings(
+        name,
         bucket_bytes=options.comm.bucket_bytes,
         prefetch=options.comm.prefetch,
         memory_budget=budget,
@@ -379,8 +389,6 @@ def _install_passes(
         check_timeout_s=options.check.timeout_s if options.check is not None else None,
         rank=mesh.get_local_rank(),
     )
-    install()
-    offload_partition.install(required=options.offload.activations != "off")
 
 
 def _root_pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

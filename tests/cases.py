@@ -9,6 +9,7 @@ and 2, and tests/e2e/test_gpu.py runs them under NCCL."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from tests.models import (
     UnevenTiedMLP,
     block_batches,
     mlp_batches,
+    tiny_gqa,
     tiny_llama,
     token_batches,
 )
@@ -35,8 +37,8 @@ BF16_MP = fczero.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=t
 REGATHER = fczero.CommPolicy(keep_unsharded=0)
 BF16_OPTS = (("mp_policy", BF16_MP),)
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
-#: units on ([Note: units]): what models with data-dependent reads need
-UNITS = (("units", "auto"),)
+#: units off ([Note: units]): each read gathers on its own, as before units were the default
+NO_UNITS = (("units", None),)
 
 
 
@@ -54,7 +56,8 @@ def _short(value: object) -> str:
 @dataclass(frozen=True)
 class Case:
     model: str  # "mlp", "llama", "blocks", "breaks" (graph breaks in forward), "moe-loop" or
-    # "moe-packed" (experts idle on one rank: tests/models/moe.py; safe with units only)
+    # "moe-packed" (experts idle on one rank: tests/models/moe.py; safe with units only),
+    # "gqa-full" or "gqa-selective" (grouped-query, tied, every block checkpointed)
     optimizer: str = "sgd"
     backend: str | None = None  # None: eager; else a torch.compile backend
     options: tuple[tuple[str, object], ...] = ()
@@ -77,6 +80,9 @@ class Case:
             return loop_moe, moe_batches(), parity.cross_entropy
         if self.model == "moe-packed":
             return packed_moe, moe_batches(), parity.cross_entropy
+        if self.model.startswith("gqa-"):  # gqa-full, gqa-selective: checkpointed blocks
+            build = functools.partial(tiny_gqa, self.model.removeprefix("gqa-"))
+            return build, token_batches(), parity.cross_entropy
         return tiny_llama, token_batches(), parity.cross_entropy
 
     @property

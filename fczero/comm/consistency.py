@@ -197,13 +197,17 @@ def check_same_values(
 # ---- compiled graphs ------------------------------------------------------------------
 
 
-def graph_collectives(graph: fx.Graph, checked: Collection[str]) -> dict[str, list[str]]:
-    """The collectives of ``graph`` on each group in ``checked``, in program order."""
+def graph_collectives(
+    graph: fx.Graph, checked: Collection[str], key: Mapping[str, str] | None = None
+) -> dict[str, list[str]]:
+    """The collectives of ``graph`` on each group in ``checked``, in program order; under
+    ``key[group]`` where ``key`` is given (several names of one group listed as one)."""
     found: dict[str, list[str]] = {}
     for node in graph.nodes:
         group = collective_group(node)
         if group is None or group not in checked:
             continue
+        group = key[group] if key is not None else group
         name = op_name(node)
         val = node.meta.get("val")
         desc = name
@@ -215,12 +219,18 @@ def graph_collectives(graph: fx.Graph, checked: Collection[str]) -> dict[str, li
 
 def check_graph(gm: fx.GraphModule, timeouts: Mapping[str, float]) -> None:
     """Compare this graph's collectives with the graph of the same number on every rank;
-    ``timeouts``: the checked groups (those of ``parallelize`` calls with a ``check_policy``,
-    kept with the pass settings in ``fczero.passes.registry``) and their ``timeout_s``."""
+    ``timeouts``: the checked groups (the graph's groups whose root has a ``check_policy``,
+    found with its pass settings by ``fczero.passes.registry``) and their ``timeout_s``."""
     if not timeouts:
         return
-    for group, entries in graph_collectives(gm.graph, timeouts).items():
-        exchange(group, "graph", entries, timeouts[group], "compiled graph #{n} of this process")
+    # keyed by each group's own name, not the name a root's collectives carry (which may
+    # differ between ranks: [Note: a root's group name] in ``fczero.comm.meshes``)
+    own = {name: c10d._resolve_process_group(name).group_name for name in timeouts}
+    timeout = {}
+    for name, seconds in timeouts.items():
+        timeout[own[name]] = max(seconds, timeout.get(own[name], 0.0))
+    for group, entries in graph_collectives(gm.graph, timeouts, own).items():
+        exchange(group, "graph", entries, timeout[group], "compiled graph #{n} of this process")
 
 
 # ---- eager forwards -------------------------------------------------------------------

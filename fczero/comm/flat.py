@@ -48,7 +48,8 @@ def copy_in(dtype: torch.dtype, layouts: tuple[FlatLayout, ...], shards: list[to
         if layout.local_rows:
             targets.append(rows[: layout.local_rows])
             sources.append(shard)
-    torch._foreach_copy_(targets, sources)
+    if targets:  # (none where this rank holds no rows of any member: uneven shards)
+        torch._foreach_copy_(targets, sources)
     return flat
 
 

@@ -27,10 +27,16 @@ DTensor the tensor-parallel plan made, so its hooks and DTensor ops work unchang
 
 from __future__ import annotations
 
+import gc
+import itertools
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -42,6 +48,7 @@ __all__ = [
     "check_device_available",
     "cuda_unavailable_reason",
     "resolve_mesh",
+    "root_group_name",
 ]
 
 
@@ -253,3 +260,41 @@ def _sub(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
 
 def _same_ranks(a: DeviceMesh, b: DeviceMesh) -> bool:
     return a.device_type == b.device_type and torch.equal(a.mesh, b.mesh)
+
+
+# [Note: a root's group name]
+# A compiled graph names the process groups of its collectives and nothing else, so the
+# graphs of two models parallelized on one group could not tell whose pass settings
+# apply ([Note: from a graph to its root] in ``fczero/passes/registry.py``). So each
+# root's own collectives (the gathers, reduces and all-reduces of its ``ShardSpec``s)
+# carry a name of the group that no other live root uses: the group's own name while no
+# other model parallelized on it is alive (the usual case: one model per group, or one
+# after another), else ``<name>.fczero.<n>`` with the smallest free ``n``, registered
+# with c10d's group registry as another name of the same group. The functional
+# collectives find their group by name, so the collectives, the communicator and their
+# order are unchanged. Whether an earlier model is alive is asked after a garbage
+# collection, so it depends on what the program still references, the same on every
+# rank; and nothing that ranks compare depends on the name: the cross-rank graph check
+# keys its exchanges by the group's own name (``fczero.comm.consistency``). A registered
+# name lasts until the default process group is destroyed (``destroy_process_group()``
+# forgets every name).
+_ROOTS_ON: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, weakref.ref]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def root_group_name(group: dist.ProcessGroup, root: nn.Module) -> str:
+    """The name the collectives of ``root``, one more model parallelized on ``group``, carry
+    ([Note: a root's group name]); registered as a name of ``group`` where it is not the
+    group's own."""
+    taken = _ROOTS_ON.setdefault(group, {})
+    if any(ref() is not None for ref in taken.values()):
+        gc.collect()  # a dropped model held in a reference cycle frees its name now
+    n = next(i for i in itertools.count() if taken.get(i) is None or taken[i]() is None)
+    taken[n] = weakref.ref(root)
+    if n == 0:
+        return group.group_name
+    name = f"{group.group_name}.fczero.{n}"
+    _unregister_process_group(name)  # (of an earlier group of the same name, if any)
+    _register_process_group(name, group)
+    return name

@@ -29,24 +29,70 @@ failed its parity test on one H200 (torch 2.11) once the default kept every bloc
 
 [Note: tearing down after CUDA graphs]
 A CUDA graph that captured a NCCL collective holds a reference on that collective's
-communicator until the graph itself is freed, and NCCL's communicator teardown waits for
-those references to go. So ``dist.destroy_process_group()`` called while Inductor still
-holds the graphs of a run over 2+ GPUs never returns (seen on 2 x H200, torch 2.11: both
-ranks trained, then hung in ``destroy_process_group``; pytorch/pytorch#115388 reports
-the same with hand-captured graphs). ``release_graphs`` frees them first; call it (or
-``torch._dynamo.reset()``, which it wraps) before destroying the process group. One rank
-captures nothing that needs a peer, so a one-GPU run tears down either way.
+communicator until the graph itself is freed, and NCCL's teardown waits for those
+references to go. In NCCL 2.28's sources a captured collective becomes a persistent
+plan (``comm->localPersistentRefs += nPlans``, ``enqueue.cc``) whose graph gets a
+destructor that gives the reference back (``ncclCudaGraphAddDestructor``, a CUDA user
+object), and ``commDestroySync`` (``init.cc``: "keep polling until all graphs
+referencing us die") loops until none is left; ``ncclCommFinalize`` runs that loop, as
+``ncclCommAbort`` does for a communicator not finalized. ``dist.destroy_process_group()``
+calls ``pg_to_shutdown.shutdown()`` on every group (``torch/distributed/distributed_c10d.py``),
+and ``ProcessGroupNCCL::shutdown`` finalizes each communicator and waits for it.
+Inductor keeps its CUDA graphs in the CUDA graph trees, whose manager lives as long as
+some compiled function made under them does, and Dynamo's compiled code outlives the
+model: on 2 x H200 (torch 2.11, NCCL 2.28.9) the model was freed on return from the
+function that trained it, the trees' manager was still there, and
+``destroy_process_group`` still waited after 90 s. One rank captures nothing that needs
+a peer, so a one-GPU run tears down either way; pytorch/pytorch#115388 reports the same
+hang with graphs captured by hand.
+
+torch gives no callback when a process group is destroyed, so fczero frees the graphs
+(``release_graphs``: Dynamo's compiled code and the trees) at the two moments it can
+see, for models parallelized over 2+ GPUs:
+
+- when the last such model is freed (``release_with``: a finalizer on the root), so a
+  script that trains in a function and destroys the process group after it returns
+  needs nothing more. It skips the release while a compile or a compiled call is under
+  way (the model freed inside one, or a graph running on another thread: releasing
+  there would pull the trees from under it); the graphs then stay until exit.
+- at interpreter exit (an ``atexit`` handler), before the interpreter tears the process
+  groups down, for a script that never calls ``destroy_process_group``.
+
+The remaining case: ``dist.destroy_process_group()`` while such a model is still
+referenced (called in the function that holds it). Call ``torch.compiler.reset()``
+first (torch's own: it drops Dynamo's compiled code and the CUDA graph trees on torch
+2.11 and 2.13; it took ``destroy_process_group`` from a hang to 0.2 s on 2 x H200).
+Either release drops every compiled function of the process, fczero's or not: the next
+call of one compiles again.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import gc
+import logging
 import sys
+import threading
+import weakref
 from collections.abc import Callable
 
 import torch
+from torch import nn
+
+logger = logging.getLogger("fczero")
 
 _TREES = "torch._inductor.cudagraph_trees"
+
+#: The models parallelized over 2+ GPUs that are still alive, held weakly: when the last
+#: goes, Inductor's CUDA graphs go ([Note: tearing down after CUDA graphs]).
+_PEERED_ROOTS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+#: The modules whose frames mean a compile or a compiled call is under way: any of these
+#: packages on the thread that frees the model; on another thread a compile, or a CUDA
+#: graph being recorded or replayed (Inductor keeps threads of its own, idle in its pools).
+_HERE = ("torch._dynamo", "torch._inductor", "torch._functorch", "torch.autograd")
+_ELSEWHERE = ("torch._dynamo.convert_frame", "torch._inductor.cudagraph_trees")
 
 
 def trees_in_use(device: torch.device) -> bool:
@@ -69,13 +115,69 @@ def trees_in_use(device: torch.device) -> bool:
 def release_graphs() -> None:
     """Free every CUDA graph Inductor captured in this process, with the compiled code that
     replays them: what must happen before ``dist.destroy_process_group()`` after a run under
-    CUDA graphs over 2+ GPUs ([Note: tearing down after CUDA graphs]). The next call of a
-    compiled model compiles again."""
+    CUDA graphs over 2+ GPUs ([Note: tearing down after CUDA graphs]; ``release_with``
+    does it when the last such model is freed, and at exit). The next call of a compiled
+    model compiles again."""
     torch._dynamo.reset()  # drops compiled code and shuts the CUDA graph trees down
     trees = sys.modules.get(_TREES)
     if trees is not None:  # (torch 2.13's reset does this too; the trees are what must go)
         trees.reset_cudagraph_trees()
     gc.collect()  # a graph held in a reference cycle goes now, not at some later collection
+
+
+def release_with(model: nn.Module) -> None:
+    """Free Inductor's CUDA graphs when ``model`` (parallelized over 2+ GPUs) is freed and
+    no other such model is left, and at interpreter exit ([Note: tearing down after CUDA
+    graphs])."""
+    _PEERED_ROOTS.add(model)
+    weakref.finalize(model, _root_freed).atexit = False  # (exit has its own handler)
+    _release_at_exit()
+
+
+@functools.cache
+def _release_at_exit() -> None:
+    """Register, once, the release at interpreter exit (``atexit`` runs it before the
+    interpreter frees the process groups, whose teardown would wait for the graphs)."""
+    atexit.register(_release_if_captured)
+
+
+def _release_if_captured() -> None:
+    if _any_trees():
+        release_graphs()
+
+
+def _root_freed() -> None:
+    """A model parallelized over 2+ GPUs was freed: release the graphs if it was the last."""
+    if any(True for _ in _PEERED_ROOTS) or not _any_trees():
+        return  # another such model still runs its graphs, or none were captured
+    if _compiler_running():
+        logger.info(
+            "fczero: the last model parallelized over several GPUs was freed inside a compile "
+            "or a compiled call; its CUDA graphs stay until exit (call torch.compiler.reset() "
+            "before dist.destroy_process_group(), which would wait for them)"
+        )
+        return
+    release_graphs()
+
+
+def _any_trees() -> bool:
+    """Whether Inductor's CUDA graph trees have run on some GPU of this process."""
+    if sys.modules.get(_TREES) is None or not torch.cuda.is_available():
+        return False
+    return any(trees_in_use(torch.device("cuda", i)) for i in range(torch.cuda.device_count()))
+
+
+def _compiler_running() -> bool:
+    """Whether a compile or a compiled call is under way (``_HERE``, ``_ELSEWHERE``): no
+    moment to pull the graphs from under it."""
+    here = threading.get_ident()
+    for thread, frame in sys._current_frames().items():
+        modules = _HERE if thread == here else _ELSEWHERE
+        while frame is not None:
+            if frame.f_globals.get("__name__", "").startswith(modules):
+                return True
+            frame = frame.f_back
+    return False
 
 
 def keep_first_grad_out_of_pool(

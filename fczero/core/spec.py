@@ -126,6 +126,13 @@ class ShardSpec:
     traced: GatherConstants = field(init=False, repr=False, compare=False)
     # shard dtype -> this param's place in a flat gather (made once, read on every eager step)
     _flat_layouts: dict = field(init=False, repr=False, compare=False, default_factory=dict)
+    # the path of the unit the param belongs to (``fczero.runtime.units``; set once, when
+    # units are built): an eager bucket never holds params of two units
+    unit_path: str | None = field(init=False, repr=False, compare=False, default=None)
+
+    def join_unit(self, path: str) -> None:
+        """Record the unit this param belongs to (``fczero.runtime.units.build_units``)."""
+        object.__setattr__(self, "unit_path", path)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", self.options.mp.param_dtype)

@@ -9,7 +9,7 @@ attribute (``_fczero``) through which a module, a model or an optimizer reaches 
 - ``ModuleState``: the ``_fczero`` attribute of every module that owns sharded params or
   is a parallelized root: its params' states by name, and for a root its ``RootState``.
 - ``RootState``: one parallelized root (options, params in order, sync flag, the eager
-  context of its forward).
+  context of its forward, the settings of its compiled passes).
 - ``OptimizerState``: the ``_fczero`` attribute of an optimizer that holds fczero params
   (offload handles, whether it steps in parts, the states it holds).
 """
@@ -112,7 +112,8 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> OptimizerState:
 
 class RootState:
     """One parallelized root: its options, its params in order, the sync flag, the
-    reducer, and the eager context of its forward (prefetch, reshard scope, collective log).
+    reducer, the eager context of its forward (prefetch, reshard scope, collective log),
+    and the settings of its compiled passes.
 
     The eager runtime opens and closes the context of each of its forwards
     (``fczero.runtime.prefetch.enter_forward``, [Note: the eager context of a forward]);
@@ -134,6 +135,10 @@ class RootState:
         # collective log (checked)
         self.prefetch: Any = None
         self.eager_log: EagerLog | None = None
+        # the compiled passes' settings for this root's graphs (a ``PassSettings`` of
+        # ``fczero.passes.registry``, set by ``parallelize``; None: ``compile_passes=False``),
+        # with what compiling under them produced ([Note: from a graph to its root])
+        self.passes: Any = None
         # the forwards of this root running now, innermost last: the context each runs in
         # (an ``EagerContext``), and what it opened itself there (its own context; its log
         # in a joined one)

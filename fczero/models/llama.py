@@ -2,7 +2,7 @@
 causal SDPA with RoPE, SwiGLU MLP, untied embedding and output (optionally tied), and
 activation checkpointing per block (``checkpointing``). The 953M benchmark model is
 ``LlamaConfig.benchmark()``; the realistic regime's Llama-3.2-3B shape is
-``LlamaConfig.llama3_3b()``.
+``LlamaConfig.llama3_3b()``, the scale run's Llama-3-8B shape ``LlamaConfig.llama3_8b()``.
 """
 
 from __future__ import annotations
@@ -81,6 +81,17 @@ class LlamaConfig:
         return cls(
             vocab_size=128256, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192,
             max_seq_len=4096, tie_embeddings=True, checkpointing=checkpointing,
+        )  # fmt: skip
+
+    @classmethod
+    def llama3_8b(cls, checkpointing: str = "selective") -> LlamaConfig:
+        """The scale run's model: Llama-3-8B's shape (8.03B params, untied embeddings, 8 KV
+        heads), sequences up to 8192, selective checkpointing (as torchtitan's 8B recipe).
+        RoPE's base is this file's 10000 for every preset (Llama 3 uses 500000: same shapes,
+        same step time)."""
+        return cls(
+            vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+            max_seq_len=8192, tie_embeddings=False, checkpointing=checkpointing,
         )  # fmt: skip
 
     def num_params(self) -> int:

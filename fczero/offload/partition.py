@@ -3,8 +3,8 @@
 Only the partitioner sees both graphs and knows which forward outputs are saved for
 backward, so activation offload runs here rather than among the post-grad passes.
 ``partition`` wraps the min-cut partitioner (or the one the user had set) and leaves
-graphs whose process group asked for no offload as they are (it only records
-their planned peak for ``memory_report``, with the group's pass settings). ``install`` hands it to
+graphs whose root asked for no offload as they are (it only records their planned peak
+for ``memory_report``, with their root's pass settings). ``install`` hands it to
 Inductor through ``torch._inductor.config.custom_partitioner_fn``; the test backend
 ``fczero.testing.backends.aot_eager_with_passes`` uses it directly.
 """
@@ -23,6 +23,7 @@ from fczero.core import streams
 from fczero.offload.activations import offload_activations
 from fczero.passes import registry
 from fczero.passes.install import code_hash
+from fczero.passes.regions import reroute_region_views_pass
 
 logger = logging.getLogger("fczero")
 
@@ -30,6 +31,8 @@ logger = logging.getLogger("fczero")
 def partition(gm: fx.GraphModule, joint_inputs, *, base=None, **kwargs):
     """Partition ``gm`` with ``base`` (min-cut by default), then offload activations."""
     base = base or min_cut_rematerialization_partition
+    if registry.settings_for_graph(gm.graph) is not None:  # (REUSE_BLOCKS's regions only)
+        gm = reroute_region_views_pass(gm)
     fw, bw = base(gm, joint_inputs, **kwargs)
     settings = registry.settings_for_graph(fw.graph)
     if settings is None:
@@ -42,7 +45,7 @@ def partition(gm: fx.GraphModule, joint_inputs, *, base=None, **kwargs):
         min_bytes=settings.offload_min_bytes,
         budget=settings.memory_budget,
     )
-    settings.plans.append(plan)  # (a later parallelize on the group starts a new list)
+    settings.plans.append(plan)  # (the root's own list: memory_report shows it)
     if inductor_config.triton.cudagraphs:  # torch.compile(mode="reduce-overhead")
         _warn_uncapturable(settings, plan)
     if plan.offloaded and plan.device_type == "cpu" and settings.first_time("activations-cpu"):

@@ -1,6 +1,6 @@
 """``memory_report(model)``: what the memory planner decided for each compiled graph.
 
-For every forward/backward pair compiled for the model's process group it lists the
+For every forward/backward pair compiled for the model it lists the
 planned peak (device bytes, from the memory model, before and after activation
 offload), which activations were offloaded and which were kept and why; the
 optimizer-state offload's split when its handle is given; the params selective
@@ -19,11 +19,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fczero.core.state import root_state
+from fczero.core.state import root_state, state_of
 from fczero.core.unsharding import report_line
 from fczero.offload.activations import ActivationPlan
 from fczero.offload.optimizer import OptimizerOffload, OptimizerOffloadSummary
-from fczero.passes import registry
 
 logger = logging.getLogger("fczero")
 
@@ -139,13 +138,15 @@ def memory_report(
             "fczero.memory_report: this model has no sharded params; call "
             "fczero.parallelize(model, mesh) first."
         )
-    group = sharded[0].device_mesh.get_group().group_name
     device = sharded[0].device
     if measured_peak is None and device.type == "cuda":
         measured_peak = torch.cuda.max_memory_allocated(device)
     summary = optimizer_offload.summary if optimizer_offload is not None else None
     root = root_state(model)
     kept = None if root is None else report_line(root.kept, root.auto_unsharding)
-    settings = registry.settings_of(group)  # its plans: of the graphs compiled since parallelize
+    # its plans: of the graphs compiled since parallelize, kept with its root's pass
+    # settings (found through a param: ``model`` may be the root's compiled wrapper)
+    state = state_of(sharded[0])
+    settings = state.root.passes if state is not None else None
     plans = list(settings.plans) if settings is not None else []
     return MemoryReport(plans, summary, measured_peak, kept)

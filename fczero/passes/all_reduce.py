@@ -30,7 +30,7 @@ logger = logging.getLogger("fczero")
 
 
 def find_all_reduces(graph: fx.Graph, groups: set[str]) -> list[Collective]:
-    """Summing all-reduces on a registered group whose only user is their wait."""
+    """Summing all-reduces on one of the given groups whose only user is their wait."""
     found = []
     for node in graph.nodes:
         if node.op != "call_function" or op_name(node) != "all_reduce":

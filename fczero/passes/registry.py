@@ -1,20 +1,31 @@
-"""Which process groups are fczero's, and the pass settings that ``parallelize`` chose.
+"""The pass settings of each parallelized root, and how a compiled graph finds its root's.
 
 Inductor calls a custom pass (and its partitioner hook) with nothing but the graph, and
-its settings are the process's, so ``parallelize`` records here, per data-parallel
-process group, how to bucket and prefetch, and whether to check the graphs' collectives
-across ranks. A graph whose collectives use none of these groups is none of fczero's
-business. This table is fczero's one record of the compiled path that outlives a call:
-the settings of a group also carry what the passes noted while compiling under them
-(the activation plans ``memory_report`` shows, the warnings already given), so a later
-``parallelize`` on the same group starts both afresh.
+its settings are the process's. So each root keeps its own ``PassSettings``
+(``RootState.passes``: how to bucket and prefetch, whether to check the graphs across
+ranks, and what compiling under them produced: the activation plans ``memory_report``
+shows, the warnings already given), and this module finds them again from a graph.
+
+[Note: from a graph to its root]
+A graph names the process groups of its collectives and nothing else of where it came
+from. Each root's collectives carry a group name that no other live root uses ([Note: a
+root's group name] in ``fczero/comm/meshes.py``: the group's own name while no other
+model parallelized on it is alive, else another registered name of the same group), so
+``parallelize`` records here, per name, the root that uses it (weakly: the model alone
+keeps its root alive; a later root given the name of a dead one replaces it), and a
+graph's settings are those of the root of the first such name among its collectives. A
+graph of two roots (one model run inside another's forward) takes the settings of the
+root whose collective comes first. A graph whose collectives carry no root's name is
+none of fczero's business.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
-import torch.fx as fx
+from torch import fx
 
 from fczero.comm.graph_ops import collective_group
 
@@ -28,7 +39,7 @@ class PassSettings:
     replicate_groups: frozenset[str] = frozenset()  # HSDP: grads are all-reduced over these
     activation_offload: str = "off"
     offload_min_bytes: int = 0
-    # the group's sharded params live in host memory (OffloadPolicy.params, on a GPU mesh)
+    # the root's sharded params live in host memory (OffloadPolicy.params, on a GPU mesh)
     param_offload: bool = False
     # bytes of an element of param_dtype: reduces are sized at it (None: their own dtype)
     param_itemsize: int | None = None
@@ -52,11 +63,7 @@ class PassSettings:
         return True
 
 
-#: Data-parallel group name -> its settings. Per process, as Inductor's hooks are.
-_BY_GROUP: dict[str, PassSettings] = {}
-
-
-def register(
+def new_settings(
     group_name: str,
     *,
     bucket_bytes: int,
@@ -69,10 +76,10 @@ def register(
     param_itemsize: int | None = None,
     check_timeout_s: float | None = None,
     rank: int = 0,
-) -> None:
-    """Record the settings for one group (a later ``parallelize`` on the same group wins).
+) -> PassSettings:
+    """The settings of one root's graphs on data-parallel group ``group_name``.
     ``replicate_group``: HSDP's replicate group, whose grad all-reduces are bucketed too."""
-    _BY_GROUP[group_name] = PassSettings(
+    return PassSettings(
         frozenset({group_name}),
         bucket_bytes,
         prefetch,
@@ -87,32 +94,50 @@ def register(
     )
 
 
-def unregister(group_name: str) -> None:
-    """Leave this group's graphs to Inductor alone (``compile_passes=False``)."""
-    _BY_GROUP.pop(group_name, None)
+#: The group name a root's collectives carry -> that root (a ``RootState``, weakly). Per
+#: process, as Inductor's hooks are.
+_ROOTS: dict[str, weakref.ref] = {}
+
+
+def register(group_name: str, root: Any) -> None:
+    """Record ``root`` (a ``RootState``) as the root whose collectives carry ``group_name``;
+    its graphs then find ``root.passes`` (None: ``CommPolicy(compile_passes=False)``, its
+    graphs are left to Inductor)."""
+    for name in [n for n, ref in _ROOTS.items() if ref() is None]:
+        del _ROOTS[name]  # roots whose models are gone
+    _ROOTS[group_name] = weakref.ref(root)
 
 
 def settings_of(group_name: str) -> PassSettings | None:
-    """The settings registered for ``group_name`` (None: not one of fczero's)."""
-    return _BY_GROUP.get(group_name)
+    """The settings of the root whose collectives carry ``group_name`` (None: no root's, or
+    its passes are off)."""
+    ref = _ROOTS.get(group_name)
+    root = ref() if ref is not None else None
+    return root.passes if root is not None else None
 
 
-def check_timeouts() -> dict[str, float]:
-    """The groups whose compiled graphs are checked across ranks, with their timeouts."""
-    return {
-        name: s.check_timeout_s for name, s in _BY_GROUP.items() if s.check_timeout_s is not None
-    }
+def settings_for_graph(graph: fx.Graph) -> PassSettings | None:
+    """The settings of the root of the graph's first collective that has one, if any."""
+    for node in graph.nodes:
+        name = collective_group(node)
+        settings = settings_of(name) if name is not None else None
+        if settings is not None:
+            return settings
+    return None
+
+
+def check_timeouts(graph: fx.Graph) -> dict[str, float]:
+    """The group names of ``graph`` whose collectives are checked across ranks (their
+    root has a ``check_policy``), with their timeouts."""
+    found = {}
+    for node in graph.nodes:
+        name = collective_group(node)
+        settings = settings_of(name) if name is not None else None
+        if settings is not None and settings.check_timeout_s is not None:
+            found[name] = settings.check_timeout_s
+    return found
 
 
 def snapshot() -> tuple:
     """Everything that can change what the passes do: part of the Inductor cache key."""
-    return tuple(sorted((k, repr(v)) for k, v in _BY_GROUP.items()))
-
-
-def settings_for_graph(graph: fx.Graph) -> PassSettings | None:
-    """The settings of the (first) registered group the graph communicates on, if any."""
-    for node in graph.nodes:
-        name = collective_group(node)
-        if name in _BY_GROUP:
-            return _BY_GROUP[name]
-    return None
+    return tuple(sorted((name, repr(settings_of(name))) for name in _ROOTS if _ROOTS[name]()))

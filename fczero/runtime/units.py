@@ -25,7 +25,7 @@ Which modules are units (``parallelize(units=...)``):
 - a list of modules or module classes: those, and as with ``"auto"`` each module outside
   them that owns params itself. A param belongs to the innermost unit that contains its
   module, as with FSDP2's ``fully_shard`` on submodules.
-- ``None`` (the default for now): no units; each read gathers (the order of reads must
+- ``None``: no units; each read gathers (the order of reads must
   then be the same on every rank; ``CheckPolicy`` checks it before each gather).
 
 A param read outside its unit's forward (a weight shared with a module in another unit,
@@ -37,13 +37,21 @@ are graph nodes like any other, and the compile passes move each one to where it
 a side effect that torch allows inside a checkpointed region only when asked
 (``_allow_side_effects``): the record is set and cleared inside the unit, so nothing of it
 outlives the region, and recomputing the region in backward needs none of it.
+
+Experimental, off by default: ``REUSE_BLOCKS`` compiles the body of every block of one
+class once (``nested_compile_region``), the gathers staying outside ([Note: a block
+compiled once]).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import logging
+import os
 import re
+import types
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -51,6 +59,7 @@ from dataclasses import dataclass, field
 import torch
 import torch._dynamo.utils
 import torch.nn as nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
 
 from fczero.core.state import ATTR, ParamState, module_state
@@ -80,6 +89,7 @@ class Unit:
     path: str
     states: list[ParamState] = field(default_factory=list)
     depth: int = 0  # forwards of this unit running now (a unit may call itself)
+    shared: bool = False  # its class has other units in the model (REUSE_BLOCKS compiles it once)
 
     def gather_for_recompute(self, state: ParamState) -> torch.Tensor:
         """Backward recomputes a checkpointed region that runs inside this unit's forward
@@ -160,8 +170,8 @@ def unit_paths(model: nn.Module, units: UnitSpec) -> list[str]:
     if isinstance(units, str):
         if units != "auto":
             raise ValueError(
-                f"fczero: units={units!r} is not an option; pass 'auto' (each block gathered "
-                "whole), None (the default: each read gathers) or a list of modules or "
+                f"fczero: units={units!r} is not an option; pass 'auto' (the default: each "
+                "block gathered whole), None (each read gathers) or a list of modules or "
                 "module classes."
             )
         return ["", *auto_unit_paths(model)]
@@ -209,6 +219,7 @@ def build_units(model: nn.Module, paths: list[str], states: dict[int, ParamState
             taken.add(id(param))
             by_path[owner].states.append(state)
             state.unit = by_path[owner]
+            state.spec.join_unit(owner)  # (eager buckets stop at the unit's edge)
     found = [unit for unit in by_path.values() if unit.states]
     logger.info(
         "units: %d (%s), %d params",
@@ -233,6 +244,13 @@ def _summary(paths: list[str], limit: int = 4) -> str:
 #: user class -> its unit subclass (per process, held weakly, as the wired classes are)
 _UNIT_CLASSES: weakref.WeakValueDictionary[type, type] = weakref.WeakValueDictionary()
 
+#: Experimental, off by default ([Note: a block compiled once]): under ``torch.compile`` the
+#: forward of a unit whose class has several units (a block) runs in one
+#: ``nested_compile_region`` per class, its gathers staying outside. Set
+#: ``FCZERO_REUSE_BLOCKS=1`` before importing fczero, or this attribute (read at each call).
+REUSE_BLOCKS = os.environ.get("FCZERO_REUSE_BLOCKS", "0") == "1"
+_REGIONS = itertools.count()  # (a unique code object per region)
+
 
 def install(model: nn.Module, units: list[Unit]) -> None:
     """Make each unit's module gather its params when its forward begins and drop them
@@ -242,8 +260,10 @@ def install(model: nn.Module, units: list[Unit]) -> None:
     cut off from the passes and from recomputation in backward. Inside ``forward`` they
     also follow every forward pre-hook (the root's opens the eager context)."""
     modules = dict(model.named_modules())
+    per_class = collections.Counter(type(modules[unit.path]) for unit in units)
     for unit in units:
         module = modules[unit.path]
+        unit.shared = per_class[type(module)] > 1
         module_state(module, create=True).unit = unit
         cls = type(module)
         wrapped = _UNIT_CLASSES.get(cls)
@@ -256,16 +276,54 @@ def install(model: nn.Module, units: list[Unit]) -> None:
 
 
 def _unit_forward(forward):
+    region = _shared_region(forward)
+
     @functools.wraps(forward)
     def unit_forward(self: nn.Module, *args, **kwargs):
         unit = self.__dict__[ATTR].unit
+        reuse = REUSE_BLOCKS and unit.shared and not unit.depth and torch.compiler.is_compiling()
         _enter(unit)
         try:
+            if reuse:
+                fulls = tuple(state.current for state in unit.states)
+                return region(self, fulls, *args, **kwargs)
             return forward(self, *args, **kwargs)
         finally:
             _leave(unit)
 
     return unit_forward
+
+
+def _shared_region(forward):
+    """One ``nested_compile_region`` running the user's ``forward`` of one class, for
+    ``REUSE_BLOCKS`` (cheap to make: a wrapped function; used only while compiling).
+
+    [Note: a block compiled once]
+    Experimental (``REUSE_BLOCKS``, off by default). Under ``torch.compile`` a unit whose
+    class has other units in the model (the blocks) runs the user's forward inside one
+    ``torch.compiler.nested_compile_region`` per class, so Dynamo traces the first block
+    and stamps out the same subgraph for the others, and AOT autograd and Inductor
+    compile one forward and one backward subgraph for all of them.
+
+    The unit's gathers stay outside the region, in the outer graph, where the passes
+    bucket, sink and prefetch them as before. The gathered params enter the region as
+    explicit inputs (``fulls``) which the body does not touch: its param reads return
+    ``state.current``, the very tensors passed, and Dynamo lifts each read as that input
+    (a lifted tensor must be an input of the call for Dynamo to reuse the subgraph).
+    The region's own partition saves the params (views of them) for its backward;
+    ``fczero.passes.regions.reroute_region_views_pass`` hands its backward the outer
+    gathers instead, so backward regathers as it does without regions.
+
+    Dynamo keys its reuse cache on the body's code object (by equality), so each class
+    gets a code object of its own (a unique ``co_name``)."""
+
+    def body(self, fulls, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+
+    name = f"{getattr(forward, '__qualname__', 'forward')}_region{next(_REGIONS)}"
+    code = body.__code__.replace(co_name=re.sub(r"\W", "_", name))
+    fn = types.FunctionType(code, body.__globals__, code.co_name, None, body.__closure__)
+    return torch.compiler.nested_compile_region(fn)
 
 
 def _enter(unit: Unit) -> None:
@@ -312,20 +370,36 @@ class _Together(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *fulls: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return tuple(f.view_as(f) for f in fulls)
+        plain = [_waited(f) for f in fulls]
+        return tuple(f.view_as(f) for f in plain)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         return grads
 
 
+def _waited(full: torch.Tensor) -> torch.Tensor:
+    """A gathered param as a plain tensor: an eager gather over NCCL hands over an
+    ``AsyncCollectiveTensor`` (settled: its wait is already on the stream), whose views
+    would stay wrapped; its plain tensor shares the storage the reshard scope keys on."""
+    return full.elem if isinstance(full, AsyncCollectiveTensor) else full
+
+
 def together(fulls: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Tie the plain gathered params that carry grads into one autograd node (see the
-    note); others (no grad, tensor-parallel DTensors) pass unchanged."""
+    """Tie the gathered params that carry grads into one autograd node (see the note),
+    plain or still wrapped as they come from NCCL; others (no grad, tensor-parallel
+    DTensors) pass unchanged.
+
+    [Note: gathers over NCCL are wrapped]
+    Over gloo fczero waits for each collective at once and hands over plain tensors; over
+    NCCL an eager gather hands over an ``AsyncCollectiveTensor``. A tie that took only
+    plain tensors left NCCL's gathers untied: a rank whose idle experts got no grad then
+    reduced fewer grads than the others, and NCCL hung (tests/runtime/test_units.py ties
+    wrapped gathers on the CPU)."""
     tied = [
         i
         for i, f in enumerate(fulls)
-        if f.requires_grad and type(f) is torch.Tensor
+        if f.requires_grad and type(f) in (torch.Tensor, AsyncCollectiveTensor)
     ]
     if len(tied) < 2:
         return fulls

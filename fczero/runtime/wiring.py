@@ -49,7 +49,8 @@ def _unsharded_property(name: str, in_unit: bool) -> property:
             held = state.current
             if held is not None:
                 return held
-            if torch._C._current_graph_task_id() != -1 and not torch.compiler.is_compiling():
+            if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+                # (compiling is asked first: Dynamo breaks the graph on the task id)
                 # backward recomputes a checkpointed region inside a unit's forward: the
                 # unit is gathered again as a whole ([Note: units])
                 return state.unit.gather_for_recompute(state)

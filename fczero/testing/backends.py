@@ -1,7 +1,7 @@
 """Compile backends for tests: AOT autograd's graphs with fczero's passes, run eagerly.
 
 ``aot_eager_with_passes`` partitions like Inductor (min-cut, honouring the gather's
-recompute tags, then fczero's activation offload when a group asks for it), applies
+recompute tags, then fczero's activation offload when a model asks for it), applies
 ``fczero.passes.run_passes`` to the forward and backward graphs, and runs them without code generation: the passes' numerics on real gloo
 ranks in seconds. ``recording(graphs)`` is the same backend, and also appends every
 rewritten graph to the caller's ``graphs`` list (each test keeps its own).

@@ -57,7 +57,8 @@ def _child(fn, rank, world_size, args, backend, workdir, timeout_s, env):  # pra
     if dist.is_initialized():
         if result[0] == "ok":
             dist.barrier()  # no rank tears down while another still communicates
-        # graphs that captured NCCL collectives would hold the group's teardown forever
+        # graphs that captured NCCL collectives would hold the group's teardown forever; fczero
+        # frees them once the model goes, but ``fn``'s result may still hold one
         release_graphs()
         dist.destroy_process_group()
 

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import fczero
-from fczero.comm.meshes import resolve_mesh
+from fczero.comm.meshes import resolve_mesh, root_group_name
 from tests.models import TwoLayer
 
 
@@ -100,3 +100,20 @@ def test_shard_axis_left_of_a_row_split_tensor_parallel_axis_strides(fake_pg):
     assert param.tensor_parallel.shape == torch.Size([8, 4])
     with pytest.raises(ValueError, match=r"already distributed over mesh axis 'tp'"):
         resolve_mesh(mesh, "tp", None).check_param("w", weight)
+
+
+def test_a_root_gets_its_groups_own_name_unless_another_root_on_it_lives(fake_pg):
+    """[Note: a root's group name]: the group's own name while no other root on the group is
+    alive, else the smallest free registered name of the same group; a name frees when its
+    root goes, also one held in a reference cycle."""
+    group = _mesh().get_group()
+    own = group.group_name
+    first, second = nn.Linear(1, 1), nn.Linear(1, 1)
+    assert root_group_name(group, first) == own
+    assert root_group_name(group, second) == f"{own}.fczero.1"
+    assert torch.distributed.distributed_c10d._resolve_process_group(f"{own}.fczero.1") is group
+    first.cycle = first  # freed only by the garbage collector
+    del first
+    third = nn.Linear(1, 1)
+    assert root_group_name(group, third) == own  # the first, collected, left it free
+    assert root_group_name(group, nn.Linear(1, 1)) == f"{own}.fczero.2"  # 1: the second's

@@ -1,5 +1,7 @@
 """fczero/core/cuda_graphs.py: an accumulator's first grad leaves the CUDA graphs' pool, and
-``release_graphs`` frees what Inductor captured before a process group is torn down.
+``release_graphs`` frees what Inductor captured before a process group is torn down: when
+the last model parallelized over several GPUs is freed, and at exit (on GPUs, the
+teardown itself: tests/e2e/test_teardown_gpu.py).
 
 The CUDA side (gradient accumulation under ``mode="reduce-overhead"`` against a single
 process) is ``tests/runtime/test_accumulation.py::test_nccl_accumulation_matches_one_large_batch``;
@@ -7,17 +9,21 @@ here the hook's own logic on the CPU, with the pool check stood in for."""
 
 from __future__ import annotations
 
+import gc
 import sys
 import types
+import weakref
 
 import pytest
 import torch
+from torch import nn
 
 from fczero.core import cuda_graphs
 from fczero.core.cuda_graphs import (
     _OwnFirstGrad,
     keep_first_grad_out_of_pool,
     release_graphs,
+    release_with,
     trees_in_use,
 )
 
@@ -166,6 +172,64 @@ def test_release_graphs_drops_compiled_code_and_the_trees(monkeypatch):
     assert reset  # the trees, even where Dynamo's reset would not reach them
     fn(torch.ones(3))
     assert len(compiles) == 2
+
+
+@pytest.fixture
+def releases(monkeypatch) -> types.SimpleNamespace:
+    """What ``release_with`` does, with CUDA graph trees in use as on a GPU: ``released``
+    (one entry per release) and ``exit_handlers`` (captured instead of registered)."""
+    seen = types.SimpleNamespace(released=[], exit_handlers=[])
+    monkeypatch.setattr(cuda_graphs, "_PEERED_ROOTS", weakref.WeakSet())
+    monkeypatch.setattr(cuda_graphs, "_any_trees", lambda: True)
+    monkeypatch.setattr(cuda_graphs, "release_graphs", lambda: seen.released.append(True))
+    monkeypatch.setattr(cuda_graphs.atexit, "register", seen.exit_handlers.append)
+    cuda_graphs._release_at_exit.cache_clear()
+    yield seen
+    cuda_graphs._release_at_exit.cache_clear()  # (the real handler registers on next use)
+
+
+def test_the_graphs_go_with_the_last_model_parallelized_over_gpus(releases):
+    """[Note: tearing down after CUDA graphs]: freeing one of two such models keeps the
+    graphs (the other still replays them); freeing the last releases them, once."""
+    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+    release_with(first)
+    release_with(second)
+    del first
+    gc.collect()
+    assert releases.released == []
+    del second
+    assert releases.released == [True]  # freed by reference count: at once
+
+
+def test_no_release_while_a_compile_or_compiled_call_runs(releases, monkeypatch):
+    monkeypatch.setattr(cuda_graphs, "_compiler_running", lambda: True)
+    model = nn.Linear(2, 2)
+    release_with(model)
+    del model
+    assert releases.released == []  # left for exit (or torch.compiler.reset())
+
+
+def test_a_compiled_call_under_way_is_seen_from_the_stack():
+    """A frame of Dynamo, Inductor, AOT autograd or autograd on this thread's stack is a
+    compile or compiled call under way; pytest's own stack holds none."""
+    assert not cuda_graphs._compiler_running()
+    inside = {"__name__": "torch._inductor.cudagraph_trees", "check": cuda_graphs._compiler_running}
+    in_inductor = types.FunctionType((lambda: check()).__code__, inside)  # noqa: F821
+    assert in_inductor() is True
+
+
+def test_exit_releases_the_graphs_a_model_left(releases, monkeypatch):
+    """One exit handler for all such models; at exit it releases whatever graphs are left,
+    and nothing where none were captured."""
+    models = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    for model in models:
+        release_with(model)
+    (handler,) = releases.exit_handlers
+    handler()
+    assert releases.released == [True]
+    monkeypatch.setattr(cuda_graphs, "_any_trees", lambda: False)
+    handler()
+    assert releases.released == [True]
 
 
 @pytest.mark.gpu

@@ -58,11 +58,13 @@ def test_eager_local_gives_the_grad_to_local_gives(fake_pg):
     assert got._spec == param._spec
 
 
-def test_a_compiled_gather_reads_its_constants_as_one_literal_tuple(fake_pg):
+@pytest.mark.parametrize("units", ["auto", None], ids=["units", "per-read"])
+def test_a_compiled_gather_reads_its_constants_as_one_literal_tuple(fake_pg, units):
     """[Note: what a compiled gather reads]: the gather's constants are one plain tuple of
     Python literals, so Dynamo guards them with one equality check; in the plain case the
-    compiled getter reads that tuple and the leaf from the param's state and nothing else
-    (no field of the spec, no flag of the state)."""
+    compiled gather reads that tuple and the leaf from the param's state and nothing else
+    (no field of the spec, no flag of the state): through the unit's list of states when
+    the unit gathers, through the module's getter when each read does."""
     import re
 
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -70,7 +72,7 @@ def test_a_compiled_gather_reads_its_constants_as_one_literal_tuple(fake_pg):
 
     from tests.models import TwoLayer
 
-    model = fczero.parallelize(TwoLayer(), init_device_mesh("cpu", (2,)))
+    model = fczero.parallelize(TwoLayer(), init_device_mesh("cpu", (2,)), units=units)
     spec = model.fc1._fczero.params["weight"].spec
     assert type(spec.traced) is tuple and ConstantVariable.is_literal(spec.traced)
     torch._dynamo.reset()
@@ -80,6 +82,6 @@ def test_a_compiled_gather_reads_its_constants_as_one_literal_tuple(fake_pg):
     parts = getattr(entry.guard_manager, "code_parts", None)
     if parts is None:
         pytest.skip("this torch does not list its guards' code")
-    state = r"\._fczero\.params\['weight'\]"
+    state = r"\.unit\.states\[0\]" if units else r"\._fczero\.params\['weight'\]"
     read = {m for part in parts for m in re.findall(state + r"\.(\w+)", part)}
     assert read == {"traced", "leaf"}, read

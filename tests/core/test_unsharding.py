@@ -187,8 +187,10 @@ def test_eager_backward_regathers_only_what_is_not_kept(fake_pg):
     loss = model(torch.randn(4, 512, requires_grad=True)).sum()
     with CollectiveLog() as bwd:
         loss.backward()
-    # backward needs every weight for input grads; kept: blocks.2 and the head
-    assert bwd.count("all_gather_into_tensor") == 2
+    # backward needs every weight for input grads; kept: blocks.2 and the head. Each unit
+    # (a block) is regathered whole, its bias too: which params a rank saved may depend
+    # on its data, the unit's params do not
+    assert bwd.count("all_gather_into_tensor") == 4
     assert bwd.count("reduce_scatter_tensor") == 7
 
 
@@ -322,7 +324,7 @@ def test_auto_plans_after_the_second_step_from_the_headroom(fake_pg, monkeypatch
     assert "auto, planned after optimizer step 2 (0 so far)" in str(fczero.memory_report(model))
     with caplog.at_level("INFO", logger="fczero"):
         regathers, kept = _sgd_steps(model, model, 4)
-    assert regathers == [4, 4, 2, 2]  # from step 3: blocks.2 and the head are kept
+    assert regathers == [7, 7, 4, 4]  # from step 3: blocks.2 and the head are kept
     report = str(fczero.memory_report(model))
     assert "selective unsharding: 2 blocks kept unsharded from forward to backward " in report
     assert "(blocks.2, head)" in report
@@ -347,7 +349,7 @@ def test_one_rank_counts_the_regathers_eager_makes(gloo_one_rank, monkeypatch):
             memory_budget=AUTO_BUDGET,
         )
         counts.append(_sgd_steps(model, model, 4, eager_regathers)[0])
-    assert counts == [[0, 0, 0, 0], [4, 4, 2, 2]]
+    assert counts == [[0, 0, 0, 0], [7, 7, 4, 4]]  # units: weights and biases
 
 
 def test_auto_recompiles_once_with_the_kept_params(fake_pg, monkeypatch):
@@ -388,7 +390,7 @@ def test_auto_keeps_nothing_when_nothing_fits_or_nothing_is_measured(
     )
     with caplog.at_level("INFO", logger="fczero"):
         regathers, kept = _sgd_steps(model, model, 3)
-    assert regathers == [4, 4, 4] and kept == [[], [], []]
+    assert regathers == [7, 7, 7] and kept == [[], [], []]
     assert why in caplog.text
 
 
@@ -410,7 +412,7 @@ def test_eager_accumulation_gathers_kept_params_once(fake_pg):
     with CollectiveLog() as bwd:
         loss.backward()
     assert forwards == [7, 4, 4]  # 7 params; the 3 kept ones gathered once
-    assert bwd.count("all_gather_into_tensor") == 2  # blocks.0, blocks.1 weights
+    assert bwd.count("all_gather_into_tensor") == 4  # blocks.0, blocks.1 (units, whole)
     assert bwd.count("reduce_scatter_tensor") == 7
     # a new accumulation gathers the kept params again, and so does a micro-batch after
     # the shards changed in place within one
@@ -421,8 +423,8 @@ def test_eager_accumulation_gathers_kept_params_once(fake_pg):
             model.head._parameters["weight"].add_(1.0)  # the sharded param, in place
         with CollectiveLog() as changed:
             model(x).sum().backward()
-    assert first.count("all_gather_into_tensor") == 7 + 2  # forward, then backward regathers
-    assert changed.count("all_gather_into_tensor") == 4 + 1 + 2  # and the head again
+    assert first.count("all_gather_into_tensor") == 7 + 4  # forward, then backward regathers
+    assert changed.count("all_gather_into_tensor") == 4 + 1 + 4  # and the head again
 
 
 def test_compiled_accumulation_gathers_kept_params_once(fake_pg):

@@ -111,10 +111,11 @@ def _count_gathers(rank: int, world_size: int, mode: str, reshard: bool):
 
 # (mode, reshard_after_forward) -> backward all-gathers expected
 GATHER_CASES = {
-    # stage 3 without AC: the weights that matmuls save for an input grad (4: the first
-    # Linear's input needs no grad, so its weight is not saved), regathered as one bucket
-    # (fczero/runtime/eager_buckets.py; the recompute's gathers below are not bucketed)
-    ("none", True): 1,
+    # stage 3 without AC: each unit (the two blocks, the head) with a weight that a matmul
+    # saves for an input grad, regathered whole, one bucket per unit: a bucket never spans
+    # two units (fczero/runtime/eager_buckets.py; the recompute's gathers below are not
+    # bucketed)
+    ("none", True): 3,
     ("full", True): BLOCK_PARAMS + 1,  # recompute regathers each block param, + head weight
     ("selective", True): BLOCK_PARAMS + 1,  # the policy saves matmuls, not gathers
     ("full", False): BLOCK_PARAMS,  # no reshard: the head keeps its weight; blocks regather

@@ -292,7 +292,10 @@ def test_select_arms() -> None:
     assert [a.name for a in select_arms("all")] == [n for n in ARMS if n not in MEMORY_ARMS]
     assert [a.name for a in select_arms("memory")] == MEMORY_ARMS
     assert [a.name for a in select_arms("fczero-eager,floor")] == ["floor", "fczero-eager"]
-    skip = "deepspeed,ddp,unshard,overlap,units,floor-per-block,fsdp2-compiled-whole"
+    skip = (
+        "deepspeed,ddp,unshard,overlap,fczero-eager-per-read,fczero-compiled-per-read,"
+        "fczero-cudagraphs-per-read,floor-per-block,fsdp2-compiled-whole"
+    )
     core = [a.name for a in select_arms("all", skip=skip)]
     assert core == [
         "floor",
@@ -308,8 +311,9 @@ def test_select_arms() -> None:
     ]
     assert [a.name for a in select_arms("cudagraphs")] == ["floor-cudagraphs", "fczero-cudagraphs"]
     assert [a.name for a in select_arms("units")] == [
-        "fczero-eager-units", "fczero-compiled-units", "fczero-cudagraphs-units"
-    ]  # fmt: skip
+        "fczero-eager", "fczero-compiled", "fczero-eager-per-read", "fczero-compiled-per-read",
+        "fczero-cudagraphs-per-read", "fczero-cudagraphs",
+    ]  # fmt: skip  (in the order of ARMS)
     with pytest.raises(ValueError, match="unknown arm 'fsdp3'"):
         select_arms("fsdp3")
 
@@ -503,11 +507,11 @@ def test_host_memory_sees_an_arms_own_peak() -> None:
 
 def test_realistic_regime_smoke_run(tmp_path: Path) -> None:
     """Regime R's pieces on the CPU: grouped-query attention, tied embeddings, every block
-    checkpointed (selective), the per-block floor, FSDP2 compiled whole, fczero with units
-    (aot_eager: no code generation on a 2-core machine)."""
+    checkpointed (selective), the per-block floor, FSDP2 compiled whole, fczero (units, the
+    default; aot_eager: no code generation on a 2-core machine)."""
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = tmp_path / "realistic"
-    arms = "floor-per-block,fsdp2-eager,fsdp2-compiled-whole,fczero-compiled-units"
+    arms = "floor-per-block,fsdp2-eager,fsdp2-compiled-whole,fczero-compiled"
     proc = subprocess.run(
         [sys.executable, "-m", "bench.run", "--smoke", "--kv-heads", "2", "--tie",
          "--checkpointing", "selective", "--arms", arms, "--compile-backend", "aot_eager",
@@ -520,5 +524,83 @@ def test_realistic_regime_smoke_run(tmp_path: Path) -> None:
     for r in records.values():
         assert r["status"] == "ok", r.get("error")
         assert r["loss_at_n"] < r["loss_first"]  # it trains
-    for name in ("fsdp2-compiled-whole", "fczero-compiled-units"):
+    for name in ("fsdp2-compiled-whole", "fczero-compiled"):
         assert records[name]["loss_agrees"] is True, records[name]["loss_rel_diff"]
+
+
+def test_hf_realistic_smoke_run(tmp_path: Path) -> None:
+    """The realistic group on Hugging Face's LlamaForCausalLM (``--model hf-tiny``: grouped-query
+    attention, tied embeddings, HF's own checkpointing of every layer), every arm the CPU can
+    run (aot_eager), losses in agreement."""
+    pytest.importorskip("transformers", reason="transformers is a test extra")
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = tmp_path / "hf"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--smoke", "--model", "hf-tiny", "--arms", "realistic",
+         "--compile-backend", "aot_eager", "--out", str(out)],
+        check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=360,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    records = {r["arm"]: r for r in map(json.loads, (out / report.RESULTS).read_text().splitlines())}
+    on_cpu = [a.name for a in select_arms("realistic") if not a.needs_cuda]
+    assert list(records) == on_cpu and "fczero-compiled" in on_cpu
+    first = records["floor"]["loss_first"]
+    for r in records.values():
+        assert r["status"] == "ok", r.get("error")
+        assert r["meta"]["model"]["hf"] is True and r["meta"]["model"]["checkpointing"] == "full"
+        assert r["loss_at_n"] < r["loss_first"]  # it trains
+        assert r["loss_first"] == pytest.approx(first, rel=1e-2)  # same weights in every arm
+        if r["communicates"]:
+            assert r["loss_agrees"] is True, (r["arm"], r["loss_rel_diff"])
+    assert "Hugging Face LlamaForCausalLM" in (out / report.TABLE).read_text()
+
+
+def test_hf_model_matches_the_preset_shape() -> None:
+    """``bench.hf_model``: the 3B preset's shape and param count (tied embedding counted once),
+    the decoder layers as ``.layers``, HF's checkpointing, and no selective checkpointing."""
+    pytest.importorskip("transformers", reason="transformers is a test extra")
+    from bench.hf_model import ROPE_THETA, HFLlama
+    from bench.run import parse_args
+    from fczero.models.llama import LlamaConfig
+
+    args = parse_args(["--model", "hf-llama3-3b"])
+    assert args.hf is True and args.checkpointing == "full" and parse_args([]).hf is False
+    cfg = LlamaConfig.llama3_3b()
+    with torch.device("meta"):
+        model = HFLlama(cfg)
+    hf = model.lm.config
+    assert (hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads) == (3072, 28, 24)
+    assert (hf.num_key_value_heads, hf.intermediate_size, hf.vocab_size) == (8, 8192, 128256)
+    assert hf.tie_word_embeddings and hf.rope_parameters["rope_theta"] == ROPE_THETA
+    assert model.lm.lm_head.weight is model.lm.model.embed_tokens.weight
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params() == 3_212_749_824
+    assert model.layers is model.lm.model.layers and len(model.layers) == 28
+    assert all(layer.gradient_checkpointing for layer in model.layers)
+    with pytest.raises(ValueError, match="not offered for the Hugging Face model"):
+        HFLlama(LlamaConfig(checkpointing="selective"))
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "hf-llama3-3b", "--checkpointing", "selective"])
+
+
+def test_hf_model_runs_causal_sdpa_when_compiled_whole() -> None:
+    """[Note: causal SDPA for the HF model]: compiled whole, HF would build a (B, 1, T, T) mask;
+    the bench's model passes ``is_causal=True`` and no mask, as in eager, same logits."""
+    pytest.importorskip("transformers", reason="transformers is a test extra")
+    from bench.hf_model import HFLlama
+    from fczero.models.llama import LlamaConfig
+
+    torch.manual_seed(0)
+    model = HFLlama(LlamaConfig(vocab_size=64, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=40))
+    calls: list[dict] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: list) -> torch.fx.GraphModule:
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        calls.extend(n.kwargs for n in gm.graph.nodes if n.target is sdpa)
+        return gm
+
+    tokens = torch.randint(0, 64, (2, 16))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)(tokens)
+    torch.testing.assert_close(compiled, model(tokens))
+    assert len(calls) == 2  # one per layer
+    assert all(c["is_causal"] is True and c["attn_mask"] is None for c in calls), calls

@@ -13,7 +13,7 @@ import torch
 
 from fczero.testing import parity
 from fczero.testing.distributed import gpu_world_size, run_on_ranks
-from tests.cases import BF16, BF16_MP, BF16_OPTS, UNITS, Case, run_cases
+from tests.cases import BF16, BF16_MP, BF16_OPTS, NO_UNITS, Case, run_cases
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,11 +43,20 @@ CASES = [
     ),
     Case("llama", backend="inductor-cudagraphs", options=(("stage", 2),)),
     Case("llama", backend="inductor-cudagraphs", options=(("stage", 1),)),
-    # units: the Llama gathered per block. (Experts idle on one rank, tests/models/moe.py,
-    # are left out here: eager, under NCCL, the per-expert loop hung in backward on
-    # 2 x H200, torch 2.11; docs/troubleshooting.md)
-    Case("llama", backend="inductor", options=(*UNITS, *BF16_OPTS)),
-    Case("llama", "adamw", backend="inductor-cudagraphs", options=UNITS),
+    # per read (units off), as before units were the default
+    Case("llama", backend="inductor", options=NO_UNITS),
+    Case("llama", "adamw", backend="inductor-cudagraphs", options=NO_UNITS),
+    # experts idle on one rank only (tests/models/moe.py), eager and compiled
+    Case("moe-loop", "adamw"),
+    Case("moe-loop", "adamw", backend="inductor"),
+    Case("moe-packed", "adamw"),
+    Case("moe-packed", "adamw", backend="inductor"),
+    # the realistic recipe, tiny: grouped-query attention, tied, each block checkpointed
+    Case("gqa-full", "adamw"),
+    Case("gqa-full", "adamw", backend="inductor"),
+    Case("gqa-selective", "adamw", backend="inductor"),
+    Case("gqa-full", backend="inductor", options=BF16_OPTS),
+    Case("gqa-full", "adamw", backend="inductor-cudagraphs"),
 ]
 
 

@@ -68,6 +68,15 @@ TINY_LLAMA = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=4
 tiny_llama = functools.partial(Llama, TINY_LLAMA)
 
 
+def tiny_gqa(checkpointing: str = "full") -> Llama:
+    """Grouped-query attention, tied embeddings, each block checkpointed (``"full"`` or
+    ``"selective"``): the realistic recipe's Llama, tiny."""
+    return Llama(LlamaConfig(
+        vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=40,
+        tie_embeddings=True, checkpointing=checkpointing,
+    ))  # fmt: skip
+
+
 def mlp_batches(steps: int = 5, batch: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Regression onto a fixed smooth function of the input, so the loss can fall."""
     g = torch.Generator().manual_seed(1)

@@ -93,3 +93,19 @@ def test_the_realistic_preset_is_llama_3_2_3b_shaped():
         LlamaConfig(dim=32, n_heads=4, n_kv_heads=5)
     with pytest.raises(ValueError, match="checkpointing='some'"):
         LlamaConfig(checkpointing="some")
+
+
+def test_the_scale_preset_is_llama_3_8b_shaped():
+    """Llama-3-8B's 8,030,261,248 params, counted by hand from the shape and on the meta device."""
+    cfg = LlamaConfig.llama3_8b()
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.kv_heads, cfg.ffn_dim) == (4096, 32, 32, 8, 14336)
+    assert not cfg.tie_embeddings and cfg.vocab_size == 128256 and cfg.checkpointing == "selective"
+    kv = 8 * (4096 // 32)  # 8 KV heads of 128
+    attention = 4096 * (4096 + 2 * kv) + 4096 * 4096  # fused wqkv, wo
+    block = attention + 3 * 4096 * 14336 + 2 * 4096  # + SwiGLU w1 w3 w2, two RMSNorms
+    expected = 32 * block + 2 * 128256 * 4096 + 4096  # + embedding, output, final norm
+    assert expected == 8_030_261_248
+    with torch.device("meta"):
+        model = Llama(cfg)
+    assert sum(p.numel() for p in model.parameters()) == expected == cfg.num_params()
+    assert model.output.weight is not model.embed.weight

@@ -38,8 +38,15 @@ class _UsersPartitioner(CustomPartitionerFn):
         return b"the user's"
 
 
+class _Root:
+    """What the registry reads of a root: its ``passes``."""
+
+    def __init__(self, passes: registry.PassSettings) -> None:
+        self.passes = passes
+
+
 def test_the_hook_is_installed_once_over_the_users_partitioner(monkeypatch):
-    monkeypatch.setattr(registry, "_BY_GROUP", {})
+    monkeypatch.setattr(registry, "_ROOTS", {})
     users = _UsersPartitioner()
     with inductor_config.patch(custom_partitioner_fn=users):
         partition.install(required=False)
@@ -48,12 +55,13 @@ def test_the_hook_is_installed_once_over_the_users_partitioner(monkeypatch):
         partition.install(required=True)
         assert inductor_config.custom_partitioner_fn is hook  # not wrapped twice
         first = hook.uuid()
-        registry.register("0", bucket_bytes=1, prefetch=1, memory_budget=None)
+        root = _Root(registry.new_settings("0", bucket_bytes=1, prefetch=1, memory_budget=None))
+        registry.register("0", root)
         assert hook.uuid() != first  # the settings decide what the hook does
 
 
 def test_a_graph_of_no_fczero_group_is_split_by_the_base_alone(monkeypatch):
-    monkeypatch.setattr(registry, "_BY_GROUP", {})
+    monkeypatch.setattr(registry, "_ROOTS", {})
     users = _UsersPartitioner()
 
     def split(gm, joint_inputs, **kwargs):
@@ -65,7 +73,7 @@ def test_a_graph_of_no_fczero_group_is_split_by_the_base_alone(monkeypatch):
     x = torch.randn(4, 4, requires_grad=True)
     torch.compile(lambda t: torch.relu(t).sum(), backend=backend)(x).backward()
     assert users.calls == 1 and torch.equal(x.grad, (x > 0).float())
-    assert registry._BY_GROUP == {}  # no settings made, no plan recorded
+    assert registry._ROOTS == {}  # no settings made, no plan recorded
 
 
 # --- [Note: offload under CUDA graphs] -------------------------------------------------
@@ -97,14 +105,14 @@ def _compile_three_blocks(cudagraphs: bool, **options) -> list[str]:
 
 
 def test_param_offload_under_cuda_graphs_warns_once(fake_pg, monkeypatch):
-    """A group whose shards live in host memory (registered so: a CPU mesh keeps them where
-    they are) warns once for all its graphs under CUDA graphs, and not without them."""
-    register = registry.register
+    """A model whose shards live in host memory (its settings made so: a CPU mesh keeps them
+    where they are) warns once for all its graphs under CUDA graphs, and not without them."""
+    new_settings = registry.new_settings
 
     def as_on_a_gpu(*args, **kwargs):
-        register(*args, **{**kwargs, "param_offload": True})
+        return new_settings(*args, **{**kwargs, "param_offload": True})
 
-    monkeypatch.setattr(registry, "register", as_on_a_gpu)
+    monkeypatch.setattr(registry, "new_settings", as_on_a_gpu)
     assert _compile_three_blocks(cudagraphs=False) == []
     (message,) = _compile_three_blocks(cudagraphs=True)  # forward and backward: one warning
     assert "cannot capture parameter offload (OffloadPolicy.params)" in message

@@ -32,10 +32,18 @@ def test_installed_pass_runs_the_users_pass_first(fake_pg):
     assert calls == ["user"]
 
 
+class _Root:
+    """What the registry reads of a root: its ``passes``."""
+
+    def __init__(self, passes: registry.PassSettings) -> None:
+        self.passes = passes
+
+
 def test_the_cache_key_follows_the_pass_settings(monkeypatch):
-    monkeypatch.setattr(registry, "_BY_GROUP", {})
+    monkeypatch.setattr(registry, "_ROOTS", {})
     hook = FczeroPostGradPass([])
     first = hook.uuid()
     assert isinstance(first, bytes) and hook.uuid() == first  # stable while nothing changes
-    registry.register("0", bucket_bytes=1 << 20, prefetch=1, memory_budget=None)
+    root = _Root(registry.new_settings("0", bucket_bytes=1 << 20, prefetch=1, memory_budget=None))
+    registry.register("0", root)
     assert hook.uuid() != first

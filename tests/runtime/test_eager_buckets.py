@@ -34,14 +34,18 @@ def _step_log(model: torch.nn.Module) -> tuple[list[str], list[str]]:
 @pytest.mark.parametrize(
     ("bucket_bytes", "forward", "reduces", "regathers"),
     [
-        (128 * 2**20, 1, 1, 1),  # the default: the whole (3 MiB) model in one bucket
-        (BLOCK + 16384, 3, 3, 3),  # a block each; the head (16 KiB) joins blocks.2
-        (BLOCK - 1, 6, 6, 4),  # a weight and its bias no longer fit: only blocks.2.bias + head
+        # the default: a bucket per unit (each block, the head), never across units
+        (128 * 2**20, 4, 4, 4),
+        (BLOCK + 16384, 4, 4, 4),  # a block fits; the head (16 KiB) stays in its own unit
+        # a weight and its bias no longer fit: each param alone, forward and backward (a
+        # unit's regather is then its params one by one)
+        (BLOCK - 1, 7, 7, 7),
     ],
 )
 def test_collectives_per_bucket(fake_pg, bucket_bytes, forward, reduces, regathers):
-    """Backward regathers the 4 saved weights (blocks.0-2, head: bucketed along the saved
-    order, from the first step); forward gathers and reduces are bucketed from the second."""
+    """Backward regathers the blocks and the head, each unit whole (bucketed along the
+    saved order, from the first step); forward gathers and reduces are bucketed from the
+    second."""
     model = fczero.parallelize(ThreeBlocks(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(bucket_bytes=bucket_bytes, keep_unsharded=0))
     first_fwd, first_bwd = _step_log(model)  # records the order: one gather per param
     assert first_fwd.count("all_gather_into_tensor") == 7
@@ -66,7 +70,7 @@ def test_no_buckets_without_prefetch_or_bucket_bytes(fake_pg):
         fwd, bwd = _step_log(model)
         assert fwd.count("all_gather_into_tensor") == 7, options
         assert bwd.count("reduce_scatter_tensor") == 7, options
-        assert bwd.count("all_gather_into_tensor") == 4, options
+        assert bwd.count("all_gather_into_tensor") == 7, options  # units: biases too
 
 
 def test_plan_follows_bytes_and_leaves_checkpointed_gathers_alone(fake_pg):
@@ -74,7 +78,7 @@ def test_plan_follows_bytes_and_leaves_checkpointed_gathers_alone(fake_pg):
     hidden.weight (364), hidden.bias (28), frozen.weight (196), out.weight (140), out.bias
     (20), back.weight (the tied inp.weight again, 260). The 0-d ``scale`` is replicated,
     never gathered, so it is not in the order."""
-    model = fczero.parallelize(UnevenTiedMLP(), init_device_mesh("cpu", (2,)))
+    model = fczero.parallelize(UnevenTiedMLP(), init_device_mesh("cpu", (2,)), units=None)
     model(torch.randn(4, 5)).sum().backward()
     order = root_state(model).prefetch.order
     assert [spec.unsharded_bytes(p) for spec, p, _ in order] == [260, 52, 364, 28, 196, 140, 20, 260]
@@ -84,6 +88,11 @@ def test_plan_follows_bytes_and_leaves_checkpointed_gathers_alone(fake_pg):
     in_place = [(s, p, i == 4) for i, (s, p, _) in enumerate(order)]  # a checkpointed gather
     assert eager_buckets.plan(in_place, 10**9) == [[0, 1, 2, 3], [5, 6, 7]]
     assert eager_buckets.plan(order, 1) == []
+    # with units (the default) no bucket crosses a unit's edge: here each module is a unit
+    # ([Note: a bucket never spans two units])
+    units = fczero.parallelize(UnevenTiedMLP(), init_device_mesh("cpu", (2,)))
+    units(torch.randn(4, 5)).sum().backward()
+    assert eager_buckets.plan(root_state(units).prefetch.order, 10**9) == [[0, 1], [2, 3], [5, 6]]
 
 
 def _train(rank: int, world_size: int) -> list[parity.Trace]:
@@ -274,14 +283,15 @@ def test_per_step_copies_and_waits_follow_buckets_not_params(fake_pg, blocks):
         model(torch.randn(4, 16)).sum().backward()
     c = ops.counts
     collectives = c.get("all_gather_into_tensor", 0) + c.get("reduce_scatter_tensor", 0)
-    # forward: a bucket per block; backward regathers each saved weight (the first
-    # block's is not saved: its input needs no grad), one param each, so no bucket
+    # forward: a bucket per block; backward regathers each block whose weight is saved
+    # (the first block's is not: its input needs no grad), whole (a unit), one bucket each
     assert c["all_gather_into_tensor"] == blocks + (blocks - 1)
     assert c["reduce_scatter_tensor"] == blocks
     assert c["wait_tensor"] == collectives  # one wait per collective, none per member
-    assert c["split_with_sizes_copy"] == blocks  # one copy-out per bucket
-    # one copy-in and one grad layout per bucket (rows split evenly: a ``cat``, no padding)
-    assert c["cat"] == 2 * blocks and c.get("_chunk_cat", 0) == 0
+    assert c["split_with_sizes_copy"] == blocks + (blocks - 1)  # one copy-out per bucket
+    # one copy-in per bucket and one grad layout per reduced bucket (rows split evenly:
+    # a ``cat``, no padding)
+    assert c["cat"] == 2 * blocks + (blocks - 1) and c.get("_chunk_cat", 0) == 0
     assert c.get("clone", 0) == 0
 
 

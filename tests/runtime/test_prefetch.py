@@ -39,10 +39,10 @@ def test_second_forward_gathers_a_block_ahead(fake_pg):
     # one bucket per block (weight and bias, eager_buckets): blocks.0's, then blocks.1's,
     # both before blocks.0's addmm
     assert second[:3] == ["all_gather_into_tensor"] * 2 + ["addmm"]
-    # forward: 3 buckets (the head joins blocks.2: 1.02 MiB), was 7. Backward regathers the
-    # saved weights of blocks.1, blocks.2 and the head: blocks.2's rides in the head's bucket
-    assert first.count("all_gather_into_tensor") == 7 + 2
-    assert second.count("all_gather_into_tensor") == 3 + 2
+    # forward: 4 buckets (a block each, and the head: a bucket never spans two units), was
+    # 7. Backward regathers blocks.1, blocks.2 and the head, each unit whole: one bucket each
+    assert first.count("all_gather_into_tensor") == 7 + 3
+    assert second.count("all_gather_into_tensor") == 4 + 3
 
 
 def _backward_log(model: torch.nn.Module) -> list[str]:
@@ -56,11 +56,13 @@ def test_backward_regathers_a_layer_ahead(fake_pg):
     """Backward regathers head.weight, then blocks.2.weight, then blocks.1.weight (blocks.0
     saves no weight: its input needs no grad). With prefetch (and its buckets), blocks.2's
     weight comes in the head's bucket, before the head's matmuls, and blocks.1's regather
-    is issued before blocks.2's matmuls; nothing is gathered twice."""
+    is issued before blocks.2's matmuls; nothing is gathered twice. Per read (units off):
+    with units each block is regathered whole (tests/core/test_unsharding.py)."""
     mesh = init_device_mesh("cpu", (2,))
     model = fczero.parallelize(
-        ThreeBlocks(), mesh, comm_policy=fczero.CommPolicy(bucket_bytes=PER_BLOCK, keep_unsharded=0)
-    )
+        ThreeBlocks(), mesh, units=None,
+        comm_policy=fczero.CommPolicy(bucket_bytes=PER_BLOCK, keep_unsharded=0),
+    )  # fmt: skip
     ops = _backward_log(model)
     assert ops[:2] == ["all_gather_into_tensor", "mm"]  # the head's bucket (with blocks.2's)
     assert ops.count("all_gather_into_tensor") == 2
@@ -70,7 +72,7 @@ def test_backward_regathers_a_layer_ahead(fake_pg):
     assert ops[second - 1 : second + 2] == ["reduce_scatter_tensor", "all_gather_into_tensor", "mm"]
     assert ops[second:].count("mm") == 5  # blocks.2's two, blocks.1's two, blocks.0's one
     off = fczero.parallelize(
-        ThreeBlocks(), mesh, comm_policy=fczero.CommPolicy(prefetch=0, keep_unsharded=0)
+        ThreeBlocks(), mesh, units=None, comm_policy=fczero.CommPolicy(prefetch=0, keep_unsharded=0)
     )
     ops_off = _backward_log(off)
     assert ops_off[:2] == ["all_gather_into_tensor", "mm"]

@@ -19,7 +19,7 @@ from fczero.models import Llama, LlamaConfig
 from fczero.runtime.units import auto_unit_paths, unit_paths
 from fczero.testing import parity
 from fczero.testing.distributed import run_on_ranks
-from tests.models import tiny_llama, token_batches
+from tests.models import tiny_gqa, tiny_llama, token_batches
 from tests.models.moe import (
     BranchModel,
     Expert,
@@ -31,16 +31,8 @@ from tests.models.moe import (
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 
-def _gqa(checkpointing: str) -> Llama:
-    """Grouped-query attention, tied embeddings, each block checkpointed inside the unit."""
-    return Llama(LlamaConfig(
-        vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=40,
-        tie_embeddings=True, checkpointing=checkpointing,
-    ))  # fmt: skip
-
-
-_GQA_FULL = functools.partial(_gqa, "full")
-_GQA_SELECTIVE = functools.partial(_gqa, "selective")
+_GQA_FULL = functools.partial(tiny_gqa, "full")
+_GQA_SELECTIVE = functools.partial(tiny_gqa, "selective")
 _TOKENS = functools.partial(token_batches, steps=3)
 
 #: name -> (model for a rank, model for the one-process reference, batches, loss)
@@ -94,6 +86,33 @@ def test_a_unit_gathers_each_param_once_however_often_it_is_read(fake_pg):
         model(tokens)
     # 12 params (embed, head; per layer norm weight and bias, router, up, down), each once
     assert log.count("all_gather_into_tensor") == 12
+
+
+class _WrappedGather(torch.autograd.Function):
+    """What an eager gather over NCCL hands over: an ``AsyncCollectiveTensor``."""
+
+    @staticmethod
+    def forward(ctx, shard):
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+        return AsyncCollectiveTensor(shard * 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def test_gathers_wrapped_as_over_nccl_are_tied_too():
+    """Over gloo the gathers are plain tensors; over NCCL they come wrapped, and the tie
+    must hold for them as well: a grad for one param brings zeros for the unread one."""
+    from fczero.runtime.units import together
+
+    shards = [torch.randn(3, requires_grad=True) for _ in range(2)]
+    read, unread = together([_WrappedGather.apply(s) for s in shards])
+    assert type(read) is torch.Tensor and type(unread) is torch.Tensor
+    read.sum().backward()
+    torch.testing.assert_close(shards[0].grad, torch.full((3,), 2.0))
+    torch.testing.assert_close(shards[1].grad, torch.zeros(3))  # reduced as zeros, not skipped
 
 
 def _train_all(rank: int, world: int) -> dict:
@@ -169,3 +188,92 @@ def test_compiled_graphs_after_the_passes_do_not_depend_on_units(fake_pg):
     assert with_units == without
     fw, _, saved = with_units
     assert len([c for c in fw if c.startswith("all_gather")]) >= 3 and saved == []
+
+
+# ---- REUSE_BLOCKS: one compiled subgraph for every block ([Note: a block compiled once]) ----
+
+
+def _four_blocks() -> Llama:
+    return Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, ffn_dim=40))
+
+
+def _region_calls(gm: torch.fx.GraphModule) -> list[str]:
+    """The subgraph each ``invoke_subgraph`` call of ``gm`` runs, in order."""
+    return [
+        n.args[0].target
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is torch.ops.higher_order.invoke_subgraph
+    ]
+
+
+def _block_graphs(monkeypatch, reuse: bool):
+    """Dynamo's graph, then AOT's forward and backward after fczero's passes."""
+    from fczero.runtime import units
+    from fczero.testing.backends import recording
+
+    monkeypatch.setattr(units, "REUSE_BLOCKS", reuse)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = fczero.parallelize(_four_blocks(), init_device_mesh("cpu", (2,)))
+    dynamo: list = []
+    graphs: list = []
+    after_passes = recording(graphs)
+
+    def backend(gm, example_inputs):
+        dynamo.append(gm)
+        return after_passes(gm, example_inputs)
+
+    tokens = torch.randint(0, 64, (2, 16))
+    torch.compile(model, backend=backend, fullgraph=True)(tokens).sum().backward()
+    (traced,) = dynamo
+    fw, bw = graphs
+    return traced, fw, bw
+
+
+def _saved_bytes(fw: torch.fx.GraphModule) -> int:
+    output = next(n for n in fw.graph.nodes if n.op == "output")
+    vals = [a.meta.get("val") for a in output.args[0][1:] if isinstance(a, torch.fx.Node)]
+    return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+
+
+def test_reused_blocks_compile_one_subgraph_with_the_gathers_outside(fake_pg, monkeypatch):
+    """With REUSE_BLOCKS the 4 blocks call one subgraph (Dynamo's, then AOT's forward and
+    backward); every collective stays in the outer graphs, which after the passes issue
+    the same collectives as without regions and save the same bytes for backward (no
+    unsharded param: backward regathers)."""
+    from fczero.testing.graphs import collective_sequence, saved_unsharded
+
+    traced, fw, bw = _block_graphs(monkeypatch, reuse=True)
+    assert _region_calls(traced) == ["subgraph_0"] * 4
+    for gm in (fw, bw):
+        calls = _region_calls(gm)
+        assert len(calls) == 4 and len(set(calls)) == 1
+        assert collective_sequence(getattr(gm, calls[0])) == []  # none inside the region
+    _, fw_plain, bw_plain = _block_graphs(monkeypatch, reuse=False)
+    assert _region_calls(fw_plain) == []
+    assert collective_sequence(fw) == collective_sequence(fw_plain)
+    assert collective_sequence(bw) == collective_sequence(bw_plain)
+    assert any(c.startswith("all_gather") for c in collective_sequence(bw))  # regathered
+    assert len(saved_unsharded(fw)) == len(saved_unsharded(fw_plain))  # (names differ)
+    assert _saved_bytes(fw) == _saved_bytes(fw_plain)
+
+
+def _train_reused_blocks(rank: int, world: int):
+    from fczero.runtime import units
+    from fczero.testing.backends import recording
+
+    units.REUSE_BLOCKS = True
+    torch._dynamo.reset()
+    graphs: list = []
+    trace = parity.train_parallel(
+        rank, world, _four_blocks, _TOKENS(), parity.cross_entropy,
+        compile_backend=recording(graphs),
+    )  # fmt: skip
+    return trace, len(_region_calls(graphs[0]))
+
+
+def test_reused_blocks_train_like_one_process():
+    expected = parity.train_reference(_four_blocks, _TOKENS(), parity.cross_entropy)
+    for trace, regions in run_on_ranks(_train_reused_blocks, 2):
+        assert regions == 4
+        parity.assert_close(trace, expected, **FP32)
