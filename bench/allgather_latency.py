@@ -1,4 +1,4 @@
-"""All-gather latency by size: NCCL against a symmetric-memory all-gather (issue 4, item 6).
+"""All-gather latency by size: NCCL against a symmetric-memory all-gather.
 
     torchrun --standalone --nproc-per-node 2 -m bench.allgather_latency --out out/ag
 

@@ -395,7 +395,7 @@ def build_fczero_inductor_overlap(ctx: ArmContext) -> Arm:
 
 def build_fczero_symm_mem(ctx: ArmContext) -> Arm:
     """fczero's passes, then every bucket's collective swapped for Inductor's copy-engine
-    symmetric-memory variant (``enable_low_contention_collectives``; item 6 of issue 4)."""
+    symmetric-memory variant (``enable_low_contention_collectives``)."""
     group = getattr(torch._inductor.config, "aten_distributed_optimizations", None)
     if group is None or not hasattr(group, "enable_low_contention_collectives"):
         raise RuntimeError(

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18's one-GPU capacity run on the GPU machine, in calls that each fit 10 minutes.
+# The one-GPU capacity run on the GPU machine, in calls that each fit 10 minutes.
 #
 #   CALL=speed   bash bench/gpu_capacity.sh   # 4 and 20 layers: every peer arm and fczero's
 #   CALL=largest bash bench/gpu_capacity.sh   # FSDP2's largest (22-24 layers), fczero at 44

@@ -236,7 +236,7 @@ _COMPILE_FLAGS = {
     "mode", ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
 )
 def test_200_steps_track_the_single_process_reference(mode, tmp_path):
-    """Issue 7.4: the main job at world size 2 follows one process's loss curve for 200 steps
+    """The main job at world size 2 follows one process's loss curve for 200 steps
     (measured: at most 1e-6 apart, eager and aot_eager, torch 2.13 CPU)."""
     _, summary = _run_main_job(
         *TINY,

@@ -259,7 +259,7 @@ class _OpCount(torch.utils._python_dispatch.TorchDispatchMode):
 
 @pytest.mark.parametrize("blocks", [2, 6])
 def test_per_step_copies_and_waits_follow_buckets_not_params(fake_pg, blocks):
-    """Issue 17: no per-step work grows with the params where a per-bucket op would do. A
+    """No per-step work grows with the params where a per-bucket op would do. A
     model of N blocks, one bucket per block (2 params each), in a bucketed eager step: one
     wait per collective, one copy-in, one copy-out and one grad layout per bucket, and no
     clone at all, whatever the number of params in a bucket."""
