@@ -155,13 +155,13 @@ def check_same_values(
 
     [Note: the same weights on every rank]
     fczero shards each rank's own copy of the model: rank r keeps rows r of its own values.
-    Built from different seeds, the ranks' shards would come from different models and train
-    silently to garbage. Params on the meta device have no values yet (they are initialized
-    during ``parallelize``) and are skipped; so is the fake process group, whose collectives
-    return garbage. A sum is not a hash, but two independently initialized tensors have
-    equal sums and norms with negligible chance; values from the same seed agree exactly on
-    every rank of one machine type, and a relative slack of 1e-6 allows for reductions
-    ordered differently elsewhere."""
+    Built from different seeds, the ranks' shards would come from different models, and
+    training would produce garbage without a word. Params on the meta device have no
+    values yet (they are initialized during ``parallelize``) and are skipped; so is the
+    fake process group, whose collectives return garbage. A sum is not a hash, but two
+    independently initialized tensors have equal sums and norms with negligible chance;
+    values from the same seed agree exactly on every rank of one machine type, and a
+    relative slack of 1e-6 allows for reductions ordered differently elsewhere."""
     group = c10d._resolve_process_group(group_name)
     world = dist.get_world_size(group)
     # a tensor-parallel param: its local part (the same on every rank of this group)
