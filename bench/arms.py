@@ -319,6 +319,34 @@ def build_fczero_cuda_graphs(ctx: ArmContext) -> Arm:
     return _fczero(ctx, compiled=True, mode=CUDA_GRAPHS)
 
 
+def build_fczero_per_block(ctx: ArmContext) -> Arm:
+    """fczero with each block compiled on its own after ``parallelize`` (torchtitan's way),
+    the rest eager: a short first step, but no pass sees two blocks at once."""
+    import fczero
+
+    model = build_model(ctx)
+    root = LossModule(model)
+    fczero.parallelize(root, ctx.mesh, mp_policy=_fczero_mp())
+    for block in model.layers:
+        block.compile(backend=ctx.compile_backend)
+    opt = adamw(root.parameters(), ctx)
+    return Arm(step=train_step(root, opt), keep=[root, opt])
+
+
+def build_fczero_compiled_reuse(ctx: ArmContext) -> Arm:
+    """Whole-model compile with ``units.REUSE_BLOCKS``: one compiled body for every block of
+    a class, the gathers outside it (experimental; restored when the arm closes)."""
+    from fczero.runtime import units
+
+    before, units.REUSE_BLOCKS = units.REUSE_BLOCKS, True
+    arm = _fczero(ctx, compiled=True)
+
+    def close() -> None:
+        units.REUSE_BLOCKS = before
+
+    return Arm(step=arm.step, keep=arm.keep, close=close)
+
+
 def build_fczero_eager_per_read(ctx: ArmContext) -> Arm:
     """Units off (``units=None``): each read gathers on its own, as before units."""
     return _fczero(ctx, compiled=False, units=None)
@@ -696,6 +724,16 @@ ARMS: dict[str, ArmSpec] = {
             build=build_fczero_compiled_no_passes,
         ),
         ArmSpec(name="fczero-compiled", label="fczero compiled", build=build_fczero_compiled),
+        ArmSpec(
+            name="fczero-per-block",
+            label="fczero, each block compiled",
+            build=build_fczero_per_block,
+        ),
+        ArmSpec(
+            name="fczero-compiled-reuse",
+            label="fczero compiled, each block class compiled once (REUSE_BLOCKS)",
+            build=build_fczero_compiled_reuse,
+        ),
         ArmSpec(
             name="fczero-eager-per-read",
             label="fczero eager, units=None (each read gathers)",

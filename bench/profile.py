@@ -48,6 +48,8 @@ class ProfileSummary:
     """CPU time inside the step call while profiling (profiler overhead included)."""
     kernels: int
     """Kernels per step."""
+    collectives: dict[str, int]
+    """Collective kernels per step by kind (``AllGather``, ``ReduceScatter``, ...)."""
     trace: str | None
     """File name of the trace, relative to the output folder; None where not written."""
 
@@ -89,6 +91,21 @@ def overlap(a: Sequence[Interval], b: Sequence[Interval]) -> float:
 def is_comm_kernel(name: str) -> bool:
     lowered = name.lower()
     return any(marker in lowered for marker in COMM_MARKERS)
+
+
+COLLECTIVE_KINDS = ("AllGather", "ReduceScatter", "AllReduce", "Broadcast", "SendRecv")
+
+
+def collective_counts(trace_events: Iterable[dict]) -> dict[str, int]:
+    """How many collective kernels of each kind the trace holds (``other`` for the rest)."""
+    counts: dict[str, int] = {}
+    for ev in trace_events:
+        name = str(ev.get("name", ""))
+        if ev.get("ph") != "X" or ev.get("cat") != "kernel" or not is_comm_kernel(name):
+            continue
+        kind = next((k for k in COLLECTIVE_KINDS if k.lower() in name.lower()), "other")
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
 
 
 def kernel_times(trace_events: Iterable[dict]) -> tuple[list[Interval], list[Interval]]:
@@ -145,7 +162,9 @@ def profile_steps(
         synchronize(device)
     trace_path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(trace_path))
-    comm, exposed, compute, kernels = exposed_comm(load_trace(trace_path))
+    events = load_trace(trace_path)
+    comm, exposed, compute, kernels = exposed_comm(events)
+    counts = collective_counts(events)
     if not keep_trace:
         trace_path.unlink()
     summary = ProfileSummary(
@@ -155,6 +174,7 @@ def profile_steps(
         compute_ms=compute / 1e3 / steps,
         host_ms=sum(host) * 1e3 / steps,
         kernels=kernels // steps,
+        collectives={kind: n // steps for kind, n in sorted(counts.items())},
         trace=trace_path.relative_to(trace_path.parent.parent).as_posix() if keep_trace else None,
     )
     logger.info("profile: %s", summary)

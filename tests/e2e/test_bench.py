@@ -21,7 +21,7 @@ if str(REPO) not in sys.path:  # bench/ is a folder of the repo, not an installe
 
 from bench import report
 from bench.arms import ARMS, MEMORY_ARMS, deepspeed_config, fix_cuda_arch_list, select_arms
-from bench.profile import exposed_comm, merge, overlap
+from bench.profile import collective_counts, exposed_comm, merge, overlap
 
 
 def test_smoke_run_writes_agreeing_results(tmp_path: Path) -> None:
@@ -285,6 +285,7 @@ def test_exposed_comm_from_trace_events() -> None:
     ]
     comm, exposed, compute, kernels = exposed_comm(events)
     assert (comm, exposed, compute, kernels) == (15.0, 9.0, 8.0, 4)
+    assert collective_counts(events) == {"AllGather": 1, "ReduceScatter": 1}
 
 
 def test_select_arms() -> None:
