@@ -898,10 +898,10 @@ GROUPS: dict[str, list[str]] = {
         "fczero-cudagraphs", "fczero-cudagraphs-per-read",
     ],
     # regime R (``--model llama3-3b`` or ``hf-llama3-3b``, ``--regimes R``): both floors,
-    # FSDP2 both ways, fczero
+    # FSDP2 both ways, fczero whole and per block
     "realistic": [
         "floor", "floor-per-block", "fsdp2-compiled", "fsdp2-compiled-whole", "fczero-compiled",
-        "fczero-cudagraphs",
+        "fczero-per-block", "fczero-cudagraphs",
     ],
     "unshard": [
         "fczero-regather", "fczero-unshard-512mib", "fczero-keep-all",

@@ -8,7 +8,8 @@ zero_grad). For each timed step and phase this records
 
 without synchronizing between phases, so the phases overlap as they do in a plain step.
 A phase whose GPU ms is close to its host ms is host-bound (the GPU waited for launches);
-one whose GPU ms is much larger is GPU-bound. On CPU only host ms is recorded.
+one whose GPU ms is much larger is GPU-bound. On CPU only host ms is recorded. On CUDA one
+more step, synchronized between phases, records each phase's peak memory (``memory``).
 
 With ``cprofile=True`` the same steps also run under ``cProfile`` and the functions with
 the most own time, per phase, come back as text (the profiler slows the host: use it to
@@ -84,9 +85,35 @@ def time_phases(
         if device.type == "cuda":
             entry["gpu_ms"] = statistics.median(e[k].elapsed_time(e[k + 1]) for e in marks)
         result[name] = entry
+    if device.type == "cuda":
+        result["memory"] = phase_memory(step, batches[0], device)
     if cprofile:
         result["profile"] = {name: _top(profilers[name], top) for name in PHASES}
     return result
+
+
+def phase_memory(step: TrainStep, tokens: torch.Tensor, device: torch.device) -> dict:
+    """One more step, synchronized between phases: each phase's peak and what stays
+    allocated after it (GiB), so a peak can be placed in forward, backward or the update."""
+    gib = 2**30
+    out: dict[str, dict[str, float]] = {}
+    loss = None
+    for name in PHASES:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        if name == "forward":
+            loss = step.forward(tokens)
+        elif name == "backward":
+            step.backward(loss)
+            loss = None
+        else:
+            step.update()
+        torch.cuda.synchronize(device)
+        out[name] = {
+            "peak_gib": torch.cuda.max_memory_allocated(device) / gib,
+            "after_gib": torch.cuda.memory_allocated(device) / gib,
+        }
+    return out
 
 
 def _top(profiler: cProfile.Profile, top: int) -> str:

@@ -295,7 +295,8 @@ def test_select_arms() -> None:
     assert [a.name for a in select_arms("fczero-eager,floor")] == ["floor", "fczero-eager"]
     skip = (
         "deepspeed,ddp,unshard,overlap,fczero-eager-per-read,fczero-compiled-per-read,"
-        "fczero-cudagraphs-per-read,floor-per-block,fsdp2-compiled-whole"
+        "fczero-cudagraphs-per-read,floor-per-block,fsdp2-compiled-whole,fczero-per-block,"
+        "fczero-compiled-reuse"
     )
     core = [a.name for a in select_arms("all", skip=skip)]
     assert core == [
