@@ -150,7 +150,10 @@ def _rope_tables(head_dim: int, seq_len: int) -> tuple[torch.Tensor, torch.Tenso
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: (B, H, T, hd); rotate pairs (even, odd) by the position's angle.
+    # In fp32 whatever the tables arrive as: FSDP2 casts a block's float inputs to bf16 in
+    # forward but not in a checkpoint's recompute, and the saved tensors must agree.
     x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, H, T, hd/2) each
+    cos, sin = cos.float(), sin.float()
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return out.flatten(-2).type_as(x)
 

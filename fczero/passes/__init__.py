@@ -11,6 +11,7 @@
 | one_in_flight_pass            | schedule.py  | gloo only: each wait right after its collective |
 | gathers_in_place_pass         | in_place.py  | each shard written into its slot of the output |
 | reduces_in_place_pass         | in_place.py  | a reduce over one rank done in place          |
+| reduce_where_summed_pass      | in_place.py  | a grad reduced in the buffer it was summed in |
 
 ``timing.py`` sums the seconds spent in ``run_passes`` (compile-time accounting).
 ``install.py`` hands ``run_passes`` to Inductor (``post_grad_custom_post_pass``),
@@ -27,7 +28,11 @@ from fczero.comm import consistency
 from fczero.passes import timing
 from fczero.passes.all_reduce import bucket_all_reduces_pass
 from fczero.passes.bucketing import bucket_all_gathers_pass, bucket_reduce_scatters_pass
-from fczero.passes.in_place import gathers_in_place_pass, reduces_in_place_pass
+from fczero.passes.in_place import (
+    gathers_in_place_pass,
+    reduce_where_summed_pass,
+    reduces_in_place_pass,
+)
 from fczero.passes.registry import PassSettings, check_timeouts, settings_for_graph
 from fczero.passes.schedule import (
     one_in_flight_pass,
@@ -67,4 +72,5 @@ def _run_passes(gm: fx.GraphModule, settings: PassSettings | None) -> fx.GraphMo
     )
     gm = one_in_flight_pass(gm, groups | settings.replicate_groups)
     gm = gathers_in_place_pass(gm, groups, settings.rank)
-    return reduces_in_place_pass(gm, groups)
+    gm = reduces_in_place_pass(gm, groups)
+    return reduce_where_summed_pass(gm, groups)

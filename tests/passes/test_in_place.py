@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fczero.comm.graph_ops import op_name
 from fczero.passes import run_passes
-from fczero.passes.in_place import reduces_in_place_pass
+from fczero.passes.in_place import reduce_where_summed_pass, reduces_in_place_pass
 from fczero.passes.matching import find_gathers
 from tests.passes import ThreeBlocksGraphs, settings
 
@@ -91,6 +91,51 @@ def test_a_reduce_over_one_rank_is_an_in_place_all_reduce_of_an_intermediate():
         assert "reduce_scatter_tensor" in _ops(reduces_in_place_pass(graph, {"0"}))
     # and only on fczero's groups
     assert "reduce_scatter_tensor" in _ops(reduces_in_place_pass(_reduce_graph(1, True), {"9"}))
+
+
+def _summed_graph(
+    source_dtype: torch.dtype = torch.float32, from_input: bool = False, extra_user: bool = False
+) -> torch.fx.GraphModule:
+    """y = cumsum(x) (a sum Inductor materializes) -> to bf16 -> to fp32 -> / 2 ->
+    reduce_scatter -> wait."""
+    aten, prims = torch.ops.aten, torch.ops.prims
+    c10d, g = torch.ops._c10d_functional, torch.fx.Graph()
+
+    def call(target, *args):
+        node = g.call_function(target, args)
+        node.meta["val"] = target(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args])
+        return node
+
+    with FakeTensorMode() as mode:
+        x = g.placeholder("x")
+        x.meta["val"] = mode.from_tensor(torch.zeros(8, 3, dtype=source_dtype))
+        y = x if from_input else call(aten.cumsum.default, x, 0)
+        rounded = call(prims.convert_element_type.default, y, torch.bfloat16)
+        grad = call(aten.div.Tensor, call(prims.convert_element_type.default, rounded, torch.float32), 2)
+        rs = g.call_function(c10d.reduce_scatter_tensor.default, (grad, "sum", 2, "0"))
+        wait = g.call_function(c10d.wait_tensor.default, (rs,))
+    g.output((wait, y) if extra_user else (wait,))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_a_grad_is_reduced_in_the_buffer_it_was_summed_in():
+    gm = reduce_where_summed_pass(_summed_graph(), {"0"})
+    ops = _ops(gm)
+    assert ops == ["cumsum", "convert_element_type", "convert_element_type", "div", "copy_",
+                   "reduce_scatter_tensor", "wait_tensor"]  # fmt: skip
+    copy = next(n for n in gm.graph.nodes if op_name(n) == "copy_")
+    reduce = next(n for n in gm.graph.nodes if op_name(n) == "reduce_scatter_tensor")
+    assert op_name(copy.args[0]) == "cumsum" and op_name(copy.args[1]) == "div"
+    assert reduce.args[0] is copy
+    # left alone: a bf16 source (another size of buffer), a graph input, a source that
+    # something else reads, and collectives on other groups
+    for graph in (
+        _summed_graph(source_dtype=torch.bfloat16),
+        _summed_graph(from_input=True),
+        _summed_graph(extra_user=True),
+    ):
+        assert "copy_" not in _ops(reduce_where_summed_pass(graph, {"0"}))
+    assert "copy_" not in _ops(reduce_where_summed_pass(_summed_graph(), {"9"}))
 
 
 if __name__ == "__main__":
