@@ -103,7 +103,9 @@ def _summed_graph(
 
     def call(target, *args):
         node = g.call_function(target, args)
-        node.meta["val"] = target(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args])
+        node.meta["val"] = target(
+            *[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+        )
         return node
 
     with FakeTensorMode() as mode:
@@ -111,7 +113,9 @@ def _summed_graph(
         x.meta["val"] = mode.from_tensor(torch.zeros(8, 3, dtype=source_dtype))
         y = x if from_input else call(aten.cumsum.default, x, 0)
         rounded = call(prims.convert_element_type.default, y, torch.bfloat16)
-        grad = call(aten.div.Tensor, call(prims.convert_element_type.default, rounded, torch.float32), 2)
+        grad = call(
+            aten.div.Tensor, call(prims.convert_element_type.default, rounded, torch.float32), 2
+        )
         rs = g.call_function(c10d.reduce_scatter_tensor.default, (grad, "sum", 2, "0"))
         wait = g.call_function(c10d.wait_tensor.default, (rs,))
     g.output((wait, y) if extra_user else (wait,))
