@@ -52,7 +52,7 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -235,10 +235,29 @@ def build_floor_per_block(ctx: ArmContext) -> Arm:
     return Arm(step=train_step(root, opt), keep=[root, opt])
 
 
+def wrap_blocks_for_checkpointing(model: Llama, mode: str) -> None:
+    """Each block of fczero's Llama in a checkpoint wrapper (``mode`` full or selective), as
+    torchtitan applies it: FSDP2's hooks then sit outside the checkpointed region, so its
+    recompute sees the bf16 inputs the forward saw (with the model's own checkpointing the
+    hooks run inside the region, and torch 2.11's FSDP2 does not cast in the recompute)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from fczero.models.llama import keep_matmuls
+
+    selective = {"context_fn": keep_matmuls} if mode == "selective" else {}
+    for i, block in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(block, **selective)
+
+
 def _fsdp2(ctx: ArmContext, *, compile_blocks: bool, compile_whole: bool = False) -> Arm:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    model = build_model(ctx)
+    own_checkpointing = not ctx.hf and ctx.cfg.checkpointing != "none"
+    if own_checkpointing:  # torchtitan's order: checkpoint wrapper, then compile, then shard
+        model = build_model(replace(ctx, cfg=replace(ctx.cfg, checkpointing="none")))
+        wrap_blocks_for_checkpointing(model, ctx.cfg.checkpointing)
+    else:
+        model = build_model(ctx)
     root = LossModule(model)
     mp = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
     for block in model.layers:

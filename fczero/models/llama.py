@@ -125,7 +125,7 @@ def _keep_matmul_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _keep_matmuls():
+def keep_matmuls():
     """Selective checkpointing: matmul and attention outputs kept, the rest recomputed."""
     return create_selective_checkpoint_contexts(_keep_matmul_outputs)
 
@@ -150,10 +150,7 @@ def _rope_tables(head_dim: int, seq_len: int) -> tuple[torch.Tensor, torch.Tenso
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: (B, H, T, hd); rotate pairs (even, odd) by the position's angle.
-    # In fp32 whatever the tables arrive as: FSDP2 casts a block's float inputs to bf16 in
-    # forward but not in a checkpoint's recompute, and the saved tensors must agree.
     x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, H, T, hd/2) each
-    cos, sin = cos.float(), sin.float()
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return out.flatten(-2).type_as(x)
 
@@ -240,7 +237,7 @@ class Llama(nn.Module):
             if mode == "none":
                 x = layer(x, cos, sin)
             else:  # the block's own call inside the region, as HF's checkpointing does
-                selective = {"context_fn": _keep_matmuls} if mode == "selective" else {}
+                selective = {"context_fn": keep_matmuls} if mode == "selective" else {}
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False, **selective)
         return self.output(self.norm(x))  # (B, T, V)
 

@@ -11,7 +11,7 @@
 | one_in_flight_pass            | schedule.py  | gloo only: each wait right after its collective |
 | gathers_in_place_pass         | in_place.py  | each shard written into its slot of the output |
 | reduces_in_place_pass         | in_place.py  | a reduce over one rank done in place          |
-| reduce_where_summed_pass      | in_place.py  | a grad reduced in the buffer it was summed in |
+| reduce_where_summed_pass      | in_place.py  | a grad summed in fp32 reduced before rounding |
 
 ``timing.py`` sums the seconds spent in ``run_passes`` (compile-time accounting).
 ``install.py`` hands ``run_passes`` to Inductor (``post_grad_custom_post_pass``),

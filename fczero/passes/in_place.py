@@ -36,23 +36,26 @@ goes. The group's size is the same on every rank, so so is the rewrite. A reduce
 input is a graph input or has other users keeps its out-of-place form.
 
 [Note: a grad reduced where it was summed]
-Inductor sums an embedding's grad in a buffer of fp32 whatever the param's dtype (its
-``embedding_dense_backward`` decomposition), rounds it to the param's bf16, and fczero
-casts that back to the fp32 ``reduce_dtype`` and divides it by the world size. The
-chain is pointwise, yet Inductor writes its result into a second full-size fp32 buffer
-(it reuses no buffer for a collective's input), so two of them are alive at once at the
-end of backward: 2 x 1.47 GiB for Llama-3.2-3B's 394M-param embedding. Where the chain's
-source has the reduce input's shape, dtype and layout and nothing else reads it, the
-chain's result is copied into the source and the reduce reads that:
+Inductor sums an embedding's grad in fp32 whatever the param's dtype (its
+``embedding_dense_backward`` decomposition) and rounds it to the param's bf16; fczero then
+casts that back to the fp32 ``reduce_dtype`` and divides it by the world size. Inductor
+writes the result of that chain into a second full-size fp32 buffer, so two of them are
+alive at once at the end of backward: 2 x 1.47 GiB for Llama-3.2-3B's 394M-param
+embedding. Where a reduce's input is such a round trip (fp32 -> fewer bits -> fp32, then
+an optional division by a constant) of a buffer of its own shape, dtype and layout that
+nothing else reads, the reduce takes the fp32 sum itself and its result is divided:
 
     before                                       after
     y  = index_put_accumulate(zeros_f32, ...)    y  = index_put_accumulate(zeros_f32, ...)
-    x  = div(to_f32(to_bf16(y)), world)          x  = div(to_f32(to_bf16(y)), world)
-    rs = reduce_scatter_tensor(x, "sum", ...)    y2 = copy_(y, x)      (one fused kernel)
-                                                 rs = reduce_scatter_tensor(y2, "sum", ...)
+    x  = div(to_f32(to_bf16(y)), world)          rs = reduce_scatter_tensor(y, "sum", ...)
+    rs = reduce_scatter_tensor(x, "sum", ...)    g  = div(wait_tensor(rs), world)
+    g  = wait_tensor(rs)
 
-Every value is the same; only which buffer holds them changes, decided from shapes and
-dtypes, which are the same on every rank.
+The grad is reduced without its rounding to bf16 (closer to the exact sum, not further),
+and divided on this rank's shard instead of the whole. Copying the chain's result back
+into ``y`` instead would be wrong: Inductor lowers the accumulation as a scatter into the
+zeros, and a later write into that buffer was computed from the zeros, before the scatter
+(seen on torch 2.13's CPU backend). Decided from shapes and dtypes, the same on every rank.
 """
 
 from __future__ import annotations
@@ -138,60 +141,78 @@ def reduces_in_place_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphModul
     return gm
 
 
-_POINTWISE = {"convert_element_type", "_to_copy", "div", "mul"}
+_CASTS = {"convert_element_type", "_to_copy"}
 
 
 def reduce_where_summed_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphModule:
-    """Each reduce whose input is a pointwise chain over a buffer it may overwrite reduces
-    in that buffer ([Note: a grad reduced where it was summed])."""
+    """Each reduce of a grad that was summed in the reduce's dtype and rounded on its way
+    reduces the sum itself, and divides after ([Note: a grad reduced where it was summed])."""
     graph = gm.graph
-    rewrites = [(r, source) for r in find_reduces(graph, groups) if (source := _source(r.input))]
-    if not rewrites:
+    matches = [(r, m) for r in find_reduces(graph, groups) if (m := _round_trip(r.input))]
+    if not matches:
         return gm
     fake_mode = fake_mode_of(graph)
-    for r, source in rewrites:
-        x = r.input
-        with graph.inserting_before(r.node):
-            written = insert(graph, fake_mode, aten.copy_.default, (source, x), like=r.node)
-        r.node.replace_input_with(x, written)
+    for r, (source, divisor, chain) in matches:
+        r.node.replace_input_with(r.input, source)
+        if divisor is not None:
+            with graph.inserting_after(r.wait):
+                scaled = insert(graph, fake_mode, aten.div.Tensor, (r.wait, divisor), like=r.wait)
+            r.wait.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+        for node in chain:  # the round trip, read by nothing now (nearest the reduce first)
+            if not node.users:
+                graph.erase_node(node)
     graph.lint()
     gm.recompile()
-    logger.info(
-        "reduce_where_summed_pass: %d reduces read the buffer their grad was summed in",
-        len(rewrites),
-    )
+    logger.info("reduce_where_summed_pass: %d reduces read the sum itself", len(matches))
     return gm
 
 
-def _source(x: fx.Node) -> fx.Node | None:
-    """The buffer that starts ``x``'s chain of single-user pointwise ops (one Inductor
-    materializes anyway: a sum, a scatter, a matmul), where it holds what ``x`` holds
-    (shape, dtype, strides) and only the chain reads it; else None."""
+def _round_trip(x: fx.Node) -> tuple[fx.Node, float | None, list[fx.Node]] | None:
+    """``x = div(up(low(source)), k)`` (the ``div`` optional), where ``low`` casts to fewer
+    bits, ``up`` back, ``source`` is a buffer holding what ``x`` holds (shape, dtype,
+    strides) and each link has one reader: ``(source, k or None, [div, up, low])``."""
+    chain: list[fx.Node] = []
+    divisor = None
     node = x
-    while (
+    if _one_reader(node) and op_name(node) == "div" and isinstance(node.args[1], (int, float)):
+        divisor, node = node.args[1], node.args[0]
+        chain.append(x)
+    up = node
+    if not (_is_cast(up) and _one_reader(up)):
+        return None
+    low = up.args[0]
+    if not (_is_cast(low) and _one_reader(low)):
+        return None
+    source = low.args[0]
+    if not isinstance(source, fx.Node) or not _holds_like(source, x):
+        return None
+    if low.meta["val"].dtype.itemsize >= source.meta["val"].dtype.itemsize:
+        return None  # not a rounding
+    return source, divisor, [*chain, up, low]
+
+
+def _is_cast(node: fx.Node) -> bool:
+    return (
         node.op == "call_function"
-        and op_name(node) in _POINTWISE
-        and len(node.users) == 1
-        and node.args
+        and op_name(node) in _CASTS
+        and bool(node.args)
         and isinstance(node.args[0], fx.Node)
-    ):
-        node = node.args[0]
-    return node if op_name(node) not in _POINTWISE and _holds_like(node, x) else None
+        and isinstance(node.meta.get("val"), torch.Tensor)
+    )
+
+
+def _one_reader(node: fx.Node) -> bool:
+    return node.op == "call_function" and len(node.users) == 1
 
 
 def _holds_like(node: fx.Node, x: fx.Node) -> bool:
     if node.op != "call_function" or len(node.users) != 1 or storage_root(node) is not node:
-        return False
-    if op_name(node) in _COLLECTIVE_OUTPUTS:
         return False
     want, have = x.meta.get("val"), node.meta.get("val")
     if not isinstance(want, torch.Tensor) or not isinstance(have, torch.Tensor):
         return False
     same = (have.shape, have.dtype, have.stride()) == (want.shape, want.dtype, want.stride())
     return same and have.is_contiguous()
-
-
-_COLLECTIVE_OUTPUTS = {"wait_tensor", "all_gather_into_tensor", "reduce_scatter_tensor"}
 
 
 def _owned(x: fx.Node) -> bool:

@@ -95,6 +95,23 @@ def test_cuda_graph_arms_compare_with_the_cuda_graph_floor() -> None:
     }  # fmt: skip
 
 
+def test_the_ratio_divides_by_the_faster_plain_floor() -> None:
+    records = [
+        _record("floor", step_ms=25.0),
+        _record("floor-per-block", step_ms=20.0),
+        _record("fczero-compiled", step_ms=30.0),
+    ]
+    report.annotate(records)
+    ratios = {r["arm"]: r["ratio_to_floor"] for r in records}
+    assert ratios == {"floor": 1.25, "floor-per-block": 1.0, "fczero-compiled": 1.5}
+    only_per_block = [
+        _record("floor-per-block", step_ms=20.0),
+        _record("fczero-compiled", step_ms=30.0),
+    ]
+    report.annotate(only_per_block)
+    assert only_per_block[1]["ratio_to_floor"] == 1.5
+
+
 def test_host_cost_smoke_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The host-cost bench on the fake process group: two sizes, every arm, ratios to plain;
     every plain arm runs before the others (which install fczero's step hooks), the table

@@ -117,29 +117,30 @@ def _summed_graph(
             aten.div.Tensor, call(prims.convert_element_type.default, rounded, torch.float32), 2
         )
         rs = g.call_function(c10d.reduce_scatter_tensor.default, (grad, "sum", 2, "0"))
+        rs.meta["val"] = mode.from_tensor(torch.zeros(4, 3))
         wait = g.call_function(c10d.wait_tensor.default, (rs,))
+        wait.meta["val"] = rs.meta["val"]
     g.output((wait, y) if extra_user else (wait,))
     return torch.fx.GraphModule(torch.nn.Module(), g)
 
 
-def test_a_grad_is_reduced_in_the_buffer_it_was_summed_in():
+def test_a_grad_summed_in_fp32_is_reduced_before_its_rounding():
     gm = reduce_where_summed_pass(_summed_graph(), {"0"})
-    ops = _ops(gm)
-    assert ops == ["cumsum", "convert_element_type", "convert_element_type", "div", "copy_",
-                   "reduce_scatter_tensor", "wait_tensor"]  # fmt: skip
-    copy = next(n for n in gm.graph.nodes if op_name(n) == "copy_")
+    assert _ops(gm) == ["cumsum", "reduce_scatter_tensor", "wait_tensor", "div"]
     reduce = next(n for n in gm.graph.nodes if op_name(n) == "reduce_scatter_tensor")
-    assert op_name(copy.args[0]) == "cumsum" and op_name(copy.args[1]) == "div"
-    assert reduce.args[0] is copy
-    # left alone: a bf16 source (another size of buffer), a graph input, a source that
+    scaled = next(n for n in gm.graph.nodes if op_name(n) == "div")
+    assert op_name(reduce.args[0]) == "cumsum" and scaled.args[1] == 2
+    assert op_name(scaled.args[0]) == "wait_tensor"
+    assert list(gm.graph.output_node().args[0]) == [scaled]
+    # left alone: a bf16 source (no rounding on the way), a graph input, a source that
     # something else reads, and collectives on other groups
     for graph in (
         _summed_graph(source_dtype=torch.bfloat16),
         _summed_graph(from_input=True),
         _summed_graph(extra_user=True),
     ):
-        assert "copy_" not in _ops(reduce_where_summed_pass(graph, {"0"}))
-    assert "copy_" not in _ops(reduce_where_summed_pass(_summed_graph(), {"9"}))
+        assert "convert_element_type" in _ops(reduce_where_summed_pass(graph, {"0"}))
+    assert "convert_element_type" in _ops(reduce_where_summed_pass(_summed_graph(), {"9"}))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fczero
 from fczero.passes import run_passes
+from fczero.passes.matching import block_key
 from fczero.passes.schedule import allocated_peak
 from fczero.testing import backends
 from fczero.testing.distributed import run_on_ranks
@@ -35,6 +36,26 @@ class ScheduleTest(ThreeBlocksGraphs):
         matmuls = [i for i, t in enumerate(names) if t in ("aten.mm.default", "aten.addmm.default")]
         for start, wait in list(zip(issued, waits))[:-1]:
             self.assertTrue(any(start < m < order[wait] for m in matmuls), names)
+
+    def test_a_block_split_in_buckets_is_waited_after_the_next_blocks_matmul(self):
+        # buckets smaller than a block's weight: each block's grads go out as two
+        # reduce-scatters, issued back to back; neither may be waited before the other is
+        # issued (that wait would hold the compute stream while the first one runs), only
+        # once the next block's backward has run a matmul
+        _, bw = self.graphs()
+        run_passes(bw, settings(bucket_bytes=2**19))
+        order = [n for n in bw.graph.nodes if n.op == "call_function"]
+        at = {n: i for i, n in enumerate(order)}
+        names = [str(n.target) for n in order]
+        matmuls = [i for i, t in enumerate(names) if t in ("aten.mm.default", "aten.addmm.default")]
+        reduces = [n for n in order if "reduce_scatter_tensor" in str(n.target)]
+        self.assertGreater(len(reduces), 4, names)  # more buckets than blocks
+        blocks = [block_key(r) for r in reduces]
+        for reduce, block in zip(reduces, blocks):
+            if block == blocks[-1]:
+                continue  # the last block's: waited where the grads are returned
+            (wait,) = reduce.users
+            self.assertTrue(any(at[reduce] < m < at[wait] for m in matmuls), (block, names))
 
     def test_prefetch_issues_the_next_gather_before_this_blocks_matmul(self):
         fw, _ = self.graphs()
