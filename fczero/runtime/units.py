@@ -38,9 +38,9 @@ a side effect that torch allows inside a checkpointed region only when asked
 (``_allow_side_effects``): the record is set and cleared inside the unit, so nothing of it
 outlives the region, and recomputing the region in backward needs none of it.
 
-Experimental, off by default: ``REUSE_BLOCKS`` compiles the body of every block of one
-class once (``nested_compile_region``), the gathers staying outside ([Note: a block
-compiled once]).
+Experimental, off by default, ignored before torch 2.13: ``REUSE_BLOCKS`` compiles the
+body of every block of one class once (``nested_compile_region``), the gathers staying
+outside ([Note: a block compiled once]).
 """
 
 from __future__ import annotations
@@ -281,7 +281,13 @@ def _unit_forward(forward):
     @functools.wraps(forward)
     def unit_forward(self: nn.Module, *args, **kwargs):
         unit = self.__dict__[ATTR].unit
-        reuse = REUSE_BLOCKS and unit.shared and not unit.depth and torch.compiler.is_compiling()
+        reuse = (
+            REUSE_BLOCKS
+            and unit.shared
+            and not unit.depth
+            and torch.compiler.is_compiling()
+            and _reuse_supported()
+        )
         _enter(unit)
         try:
             if reuse:
@@ -292,6 +298,22 @@ def _unit_forward(forward):
             _leave(unit)
 
     return unit_forward
+
+
+@functools.cache
+def _reuse_supported() -> bool:
+    """``REUSE_BLOCKS`` is honoured on torch 2.13 or newer only. On torch 2.11 (2 x H200,
+    Hugging Face's Llama at 3B with its own checkpointing) the losses left the reference
+    at the second step and the peak memory rose by 13 GiB; on torch 2.13 the CPU checks
+    agree with the reference (docs/troubleshooting.md)."""
+    if torch.torch_version.TorchVersion(torch.__version__) >= (2, 13):
+        return True
+    logger.warning(
+        "fczero: REUSE_BLOCKS is ignored on torch %s: it trained wrongly on torch 2.11; "
+        "the blocks are traced inline as without it (needs torch 2.13 or newer).",
+        torch.__version__,
+    )
+    return False
 
 
 def _shared_region(forward):

@@ -7,6 +7,7 @@ grouped-query Llamas with tied embeddings and every block checkpointed (full, se
 from __future__ import annotations
 
 import functools
+import logging
 
 import pytest
 import torch
@@ -191,6 +192,19 @@ def test_compiled_graphs_after_the_passes_do_not_depend_on_units(fake_pg):
 
 
 # ---- REUSE_BLOCKS: one compiled subgraph for every block ([Note: a block compiled once]) ----
+
+
+def test_reuse_blocks_is_ignored_before_torch_2_13(monkeypatch, caplog):
+    """It trained wrongly on torch 2.11 (GPU, HF's Llama): older torch keeps it off, and says so."""
+    from fczero.runtime import units
+
+    check = units._reuse_supported.__wrapped__
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with caplog.at_level(logging.WARNING, logger="fczero"):
+        assert check() is False
+    assert "REUSE_BLOCKS is ignored on torch 2.11.0+cu130" in caplog.text
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    assert check() is True
 
 
 def _four_blocks() -> Llama:
