@@ -932,8 +932,10 @@ GROUPS: dict[str, list[str]] = {
 """Names ``--arms`` accepts besides single arms."""
 
 
-def select_arms(arms: str, skip: str = "") -> list[ArmSpec]:
-    """``"all"``, ``"core,deepspeed-zero3"``, ... minus ``skip``; always in :data:`ARMS` order."""
+def select_arms(arms: str, skip: str = "", as_given: bool = False) -> list[ArmSpec]:
+    """``"all"``, ``"core,deepspeed-zero3"``, ... minus ``skip``; in :data:`ARMS` order, or
+    with ``as_given`` in the order ``arms`` names them (a group's arms in ``ARMS`` order where
+    the group is named): running a pair both ways tells an arm's cost from its place."""
     wanted: set[str] = set()
     for name in _split(arms):
         if name in GROUPS:
@@ -948,7 +950,14 @@ def select_arms(arms: str, skip: str = "") -> list[ArmSpec]:
         if name not in ARMS and name not in GROUPS:
             raise ValueError(f"unknown arm {name!r} in --skip; arms are {', '.join(ARMS)}.")
         wanted.difference_update(GROUPS.get(name, [name]))
-    return [spec for name, spec in ARMS.items() if name in wanted]
+    if not as_given:
+        return [spec for name, spec in ARMS.items() if name in wanted]
+    order: list[str] = []
+    for name in _split(arms):
+        for arm in GROUPS.get(name, [name]):
+            if arm in wanted and arm not in order:
+                order.append(arm)
+    return [ARMS[name] for name in order]
 
 
 def _split(names: str) -> list[str]:

@@ -93,6 +93,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
       "fsdp2, floor, fsdp2-eager, fsdp2-compiled, ddp, fczero-eager, fczero-compiled, "
       "deepspeed-zero3, deepspeed-deepcompile")  # fmt: skip
     a("--skip", default="", help="arms or groups to leave out")
+    a("--arms-as-given", action="store_true",
+      help="run the arms in the order --arms names them (default: the order of bench.arms.ARMS)")  # fmt: skip
     a("--regimes", default="C,M",
       help="C (4 x 2048), M (1 x 1024), R (1 x 4096), R8 (1 x 8192); default C,M")  # fmt: skip
     a("--batch", type=int, help="per-GPU batch: with --seq, one custom regime instead of --regimes")
@@ -518,7 +520,7 @@ def worker(args: argparse.Namespace) -> int:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (world,))
-    arms = select_arms(args.arms, args.skip)
+    arms = select_arms(args.arms, args.skip, as_given=args.arms_as_given)
     if not use_cuda:
         skipped = [a.name for a in arms if a.needs_cuda]
         arms = [a for a in arms if not a.needs_cuda]

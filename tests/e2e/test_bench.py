@@ -310,6 +310,11 @@ def test_select_arms() -> None:
     assert [a.name for a in select_arms("all")] == [n for n in ARMS if n not in MEMORY_ARMS]
     assert [a.name for a in select_arms("memory")] == MEMORY_ARMS
     assert [a.name for a in select_arms("fczero-eager,floor")] == ["floor", "fczero-eager"]
+    pair = "fczero-eager-per-read,fczero-eager"
+    assert [a.name for a in select_arms(pair, as_given=True)] == pair.split(",")
+    assert [a.name for a in select_arms("fczero-eager,cudagraphs,floor", as_given=True)] == [
+        "fczero-eager", "floor-cudagraphs", "fczero-cudagraphs", "floor"
+    ]  # fmt: skip
     skip = (
         "deepspeed,ddp,unshard,overlap,fczero-eager-per-read,fczero-compiled-per-read,"
         "fczero-cudagraphs-per-read,floor-per-block,fsdp2-compiled-whole,fczero-per-block,"
