@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 
 from bench import report
+from bench.plotting import pyplot
 from fczero.models.llama import LlamaConfig
 
 logger = logging.getLogger("fczero.bench")
@@ -369,13 +370,8 @@ def _gpu_gib(rows: list[dict]) -> float | None:
 def plot(args: argparse.Namespace, rows: list[dict], arms: list[str], path: Path) -> bool:
     """Step time against model size, one line per arm; a cross where the arm stopped fitting
     (its first failed size), a triangle at the size its bytes per param imply."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no capacity plot")
+    plt = pyplot()
+    if plt is None:
         return False
     gpu_gib = args.gpu_memory_gib or _gpu_gib(rows)
     fig, ax = plt.subplots(figsize=(9, 5.5))

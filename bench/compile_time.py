@@ -75,6 +75,7 @@ import torch
 import torch.distributed as dist
 
 from bench.arms import ARMS, ArmContext
+from bench.plotting import pyplot
 from bench.run import MODELS, REGIMES, SMOKE
 from fczero.models.llama import LlamaConfig
 from fczero.passes import timing
@@ -416,13 +417,8 @@ def table(records: list[dict]) -> str:
 
 def chart(records: list[dict], path: Path) -> bool:
     """First step against depth, per arm (solid cold, dashed warm); False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.info("matplotlib is not installed: no chart")
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for arm in dict.fromkeys(r["arm"] for r in records):

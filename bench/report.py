@@ -23,6 +23,8 @@ import json
 import logging
 from pathlib import Path
 
+from bench.plotting import pyplot
+
 logger = logging.getLogger("fczero.bench")
 
 RESULTS = "results.jsonl"
@@ -47,8 +49,6 @@ def fastest_floor(arm: str, floors: dict[str, dict]) -> dict | None:
     plain = [floors[n] for n in (FLOOR_ARM, PER_BLOCK_FLOOR_ARM) if floors.get(n)]
     return min(plain, key=lambda r: r["step_ms"] or float("inf"), default=None)
 
-
-_WARNED = False
 
 
 def append_record(out_dir: Path, record: dict) -> None:
@@ -288,16 +288,8 @@ def markdown(records: list[dict]) -> str:
 
 def chart(records: list[dict], path: Path) -> bool:
     """Step time as a multiple of the floor and peak memory, per arm and regime; False if skipped."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        global _WARNED
-        if not _WARNED:
-            logger.warning("matplotlib is not installed: no chart (pip install matplotlib)")
-            _WARNED = True
+    plt = pyplot()
+    if plt is None:
         return False
     annotate(records)
     regimes = regimes_of(records)

@@ -26,6 +26,7 @@ import logging
 from pathlib import Path
 
 from bench import report
+from bench.plotting import pyplot
 
 logger = logging.getLogger("fczero.bench")
 
@@ -157,13 +158,8 @@ def _f(value: float | None, fmt: str, suffix: str = "") -> str:
 
 def chart(rows: list[dict], path: Path) -> bool:
     """Tokens/s/GPU and efficiency against the world size, per regime; False if skipped."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no chart (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return False
     regimes = list(dict.fromkeys(r["regime"] for r in rows))
     sizes = sorted({r["world_size"] for r in rows})

@@ -231,7 +231,7 @@ def _from_torch_mp(policy: object) -> object:
     if policy.output_dtype is not None or not policy.cast_forward_inputs:
         raise ValueError(
             "fczero: FSDP2's MixedPrecisionPolicy with output_dtype or "
-            "cast_forward_inputs=False has no fczero equivalent; pass "
+            "cast_forward_inputs=False has no fczero counterpart; pass "
             "fczero.MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...) and cast the "
             "output yourself."
         )

@@ -206,7 +206,8 @@ def _one_reader(node: fx.Node) -> bool:
 
 
 def _holds_like(node: fx.Node, x: fx.Node) -> bool:
-    if node.op != "call_function" or len(node.users) != 1 or storage_root(node) is not node:
+    """``node`` owns its storage, only one op reads it, and it is laid out as ``x``."""
+    if not _one_reader(node) or storage_root(node) is not node:
         return False
     want, have = x.meta.get("val"), node.meta.get("val")
     if not isinstance(want, torch.Tensor) or not isinstance(have, torch.Tensor):

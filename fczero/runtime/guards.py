@@ -5,7 +5,7 @@ passed): refuse an empty model, a model on an accelerator with a CPU mesh, and p
 that an earlier ``parallelize`` already replaced (a weight shared by two models).
 
 After sharding (``protect``), three traps for the ways a parallelized model is used
-wrongly, each silent without them:
+wrongly, each unreported without them:
 
 - *the old params*: ``parallelize`` replaces every param with a new sharded one. An
   optimizer built before it still holds the old tensors, which never get a gradient,
