@@ -55,7 +55,11 @@ from fczero.models.llama import Llama, LlamaConfig
 
 logger = logging.getLogger("fczero.bench")
 
-ARMS = ("plain-eager", "plain-compiled", "fczero-eager", "fczero-compiled", "fsdp2-eager")
+ARMS = (
+    "plain-eager", "plain-compiled", "fczero-eager", "fczero-compiled", "fsdp2-eager",
+    "fczero-eager-per-read",
+)  # fmt: skip
+"""``fczero-eager-per-read``: ``units=None`` (each read gathers), against plain eager."""
 """Every arm, in the order they run; ``fczero-X`` and ``fsdp2-X`` are compared with
 ``plain-X``. ``fsdp2-eager`` (FSDP2's ``fully_shard`` on each block and the root) is not in
 the default sweep: ``--arms`` names it."""
@@ -98,7 +102,7 @@ def build(arm: str, layers: int, backend: str, mesh) -> tuple[TrainStep, int]:
     model = Llama(cfg).to(mesh.device_type)
     root: nn.Module = LossModule(model)
     if arm.startswith("fczero"):
-        fczero.parallelize(root, mesh)
+        fczero.parallelize(root, mesh, **({"units": None} if arm.endswith("per-read") else {}))
     elif arm.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
@@ -150,7 +154,7 @@ def _sweep(args: argparse.Namespace, mesh) -> list[dict]:
             done[order] = _record(arm, layers, n_params, args, phases)
     records = [done[i] for i in sorted(done)]
     for r in records:
-        plain = "plain-" + r["arm"].split("-", 1)[1]
+        plain = "plain-" + r["arm"].split("-")[1]
         base = next((b for b in records if b["layers"] == r["layers"] and b["arm"] == plain), None)
         r["x_plain"] = r["host_ms"] / base["host_ms"] if base and r["arm"] != plain else None
     return records

@@ -41,9 +41,11 @@ Inductor sums an embedding's grad in fp32 whatever the param's dtype (its
 casts that back to the fp32 ``reduce_dtype`` and divides it by the world size. Inductor
 writes the result of that chain into a second full-size fp32 buffer, so two of them are
 alive at once at the end of backward: 2 x 1.47 GiB for Llama-3.2-3B's 394M-param
-embedding. Where a reduce's input is such a round trip (fp32 -> fewer bits -> fp32, then
-an optional division by a constant) of a buffer of its own shape, dtype and layout that
-nothing else reads, the reduce takes the fp32 sum itself and its result is divided:
+embedding. torch 2.11's Inductor folds the round trip away (its ``pointless_convert``
+pattern; 2.13 keeps a narrowing on purpose) and leaves ``div(y, world)``: still a second
+full buffer. Where a reduce's input is a chain of casts and an optional division by a
+constant, one of them at least, of a buffer of its own shape, dtype and layout that
+nothing else reads, the reduce takes that buffer itself and its result is divided:
 
     before                                       after
     y  = index_put_accumulate(zeros_f32, ...)    y  = index_put_accumulate(zeros_f32, ...)
@@ -52,7 +54,9 @@ nothing else reads, the reduce takes the fp32 sum itself and its result is divid
     g  = wait_tensor(rs)
 
 The grad is reduced without its rounding to bf16 (closer to the exact sum, not further),
-and divided on this rank's shard instead of the whole. Copying the chain's result back
+and divided on this rank's shard instead of the whole. A matmul's bf16 grad cast up to
+fp32 for its reduce takes the same path from the cast (``x = div(to_f32(mm), world)``):
+its division moves to the shard. Copying the chain's result back
 into ``y`` instead would be wrong: Inductor lowers the accumulation as a scatter into the
 zeros, and a later write into that buffer was computed from the zeros, before the scatter
 (seen on torch 2.13's CPU backend). Decided from shapes and dtypes, the same on every rank.
@@ -148,7 +152,7 @@ def reduce_where_summed_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphMo
     """Each reduce of a grad that was summed in the reduce's dtype and rounded on its way
     reduces the sum itself, and divides after ([Note: a grad reduced where it was summed])."""
     graph = gm.graph
-    matches = [(r, m) for r in find_reduces(graph, groups) if (m := _round_trip(r.input))]
+    matches = [(r, m) for r in find_reduces(graph, groups) if (m := _summed_source(r.input))]
     if not matches:
         return gm
     fake_mode = fake_mode_of(graph)
@@ -167,28 +171,31 @@ def reduce_where_summed_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphMo
     return gm
 
 
-def _round_trip(x: fx.Node) -> tuple[fx.Node, float | None, list[fx.Node]] | None:
-    """``x = div(up(low(source)), k)`` (the ``div`` optional), where ``low`` casts to fewer
-    bits, ``up`` back, ``source`` is a buffer holding what ``x`` holds (shape, dtype,
-    strides) and each link has one reader: ``(source, k or None, [div, up, low])``."""
+def _summed_source(x: fx.Node) -> tuple[fx.Node, float | None, list[fx.Node]] | None:
+    """``x = div(casts(source), k)``, where ``casts`` is a chain of dtype casts (a round
+    trip through fewer bits, or none left: torch 2.11 folds the round trip away) and the
+    ``div`` is optional but one of the two is there, ``source`` holds what ``x`` holds
+    (shape, dtype, strides) in storage of its own and each link has one reader:
+    ``(source, k or None, [div, casts nearest x first])``. The deepest such ``source``."""
     chain: list[fx.Node] = []
     divisor = None
     node = x
     if _one_reader(node) and op_name(node) == "div" and isinstance(node.args[1], (int, float)):
         divisor, node = node.args[1], node.args[0]
         chain.append(x)
-    up = node
-    if not (_is_cast(up) and _one_reader(up)):
+    found: tuple[fx.Node, list[fx.Node]] | None = None
+    links: list[fx.Node] = []
+    while isinstance(node, fx.Node):
+        if node is not x and _holds_like(node, x):
+            found = (node, list(links))
+        if not (_is_cast(node) and _one_reader(node)):
+            break
+        links.append(node)
+        node = node.args[0]
+    if found is None:
         return None
-    low = up.args[0]
-    if not (_is_cast(low) and _one_reader(low)):
-        return None
-    source = low.args[0]
-    if not isinstance(source, fx.Node) or not _holds_like(source, x):
-        return None
-    if low.meta["val"].dtype.itemsize >= source.meta["val"].dtype.itemsize:
-        return None  # not a rounding
-    return source, divisor, [*chain, up, low]
+    source, casts = found
+    return source, divisor, [*chain, *casts]
 
 
 def _is_cast(node: fx.Node) -> bool:

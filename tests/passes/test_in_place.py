@@ -7,6 +7,7 @@ from __future__ import annotations
 import unittest
 from unittest import mock
 
+import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -94,10 +95,13 @@ def test_a_reduce_over_one_rank_is_an_in_place_all_reduce_of_an_intermediate():
 
 
 def _summed_graph(
-    source_dtype: torch.dtype = torch.float32, from_input: bool = False, extra_user: bool = False
+    source_dtype: torch.dtype = torch.float32,
+    from_input: bool = False,
+    extra_user: bool = False,
+    rounded: bool = True,
 ) -> torch.fx.GraphModule:
-    """y = cumsum(x) (a sum Inductor materializes) -> to bf16 -> to fp32 -> / 2 ->
-    reduce_scatter -> wait."""
+    """y = cumsum(x) (a sum Inductor materializes) -> to bf16 -> to fp32 (``rounded``; torch
+    2.11's Inductor folds this round trip away) -> / 2 -> reduce_scatter -> wait."""
     aten, prims = torch.ops.aten, torch.ops.prims
     c10d, g = torch.ops._c10d_functional, torch.fx.Graph()
 
@@ -112,10 +116,10 @@ def _summed_graph(
         x = g.placeholder("x")
         x.meta["val"] = mode.from_tensor(torch.zeros(8, 3, dtype=source_dtype))
         y = x if from_input else call(aten.cumsum.default, x, 0)
-        rounded = call(prims.convert_element_type.default, y, torch.bfloat16)
-        grad = call(
-            aten.div.Tensor, call(prims.convert_element_type.default, rounded, torch.float32), 2
-        )
+        if rounded:
+            low = call(prims.convert_element_type.default, y, torch.bfloat16)
+            y_again = call(prims.convert_element_type.default, low, torch.float32)
+        grad = call(aten.div.Tensor, y_again if rounded else y, 2)
         rs = g.call_function(c10d.reduce_scatter_tensor.default, (grad, "sum", 2, "0"))
         rs.meta["val"] = mode.from_tensor(torch.zeros(4, 3))
         wait = g.call_function(c10d.wait_tensor.default, (rs,))
@@ -124,23 +128,36 @@ def _summed_graph(
     return torch.fx.GraphModule(torch.nn.Module(), g)
 
 
-def test_a_grad_summed_in_fp32_is_reduced_before_its_rounding():
-    gm = reduce_where_summed_pass(_summed_graph(), {"0"})
+@pytest.mark.parametrize("rounded", [True, False], ids=["round-trip", "folded"])
+def test_a_grad_summed_in_fp32_is_reduced_before_its_rounding(rounded):
+    gm = reduce_where_summed_pass(_summed_graph(rounded=rounded), {"0"})
     assert _ops(gm) == ["cumsum", "reduce_scatter_tensor", "wait_tensor", "div"]
     reduce = next(n for n in gm.graph.nodes if op_name(n) == "reduce_scatter_tensor")
     scaled = next(n for n in gm.graph.nodes if op_name(n) == "div")
     assert op_name(reduce.args[0]) == "cumsum" and scaled.args[1] == 2
     assert op_name(scaled.args[0]) == "wait_tensor"
     assert list(gm.graph.output_node().args[0]) == [scaled]
-    # left alone: a bf16 source (no rounding on the way), a graph input, a source that
-    # something else reads, and collectives on other groups
+    # the sum left alone: a graph input, a source that something else reads, and
+    # collectives on other groups
     for graph in (
-        _summed_graph(source_dtype=torch.bfloat16),
-        _summed_graph(from_input=True),
-        _summed_graph(extra_user=True),
+        _summed_graph(rounded=rounded, from_input=True),
+        _summed_graph(rounded=rounded, extra_user=True),
     ):
-        assert "convert_element_type" in _ops(reduce_where_summed_pass(graph, {"0"}))
-    assert "convert_element_type" in _ops(reduce_where_summed_pass(_summed_graph(), {"9"}))
+        gm = reduce_where_summed_pass(graph, {"0"})
+        reduce = next(n for n in gm.graph.nodes if op_name(n) == "reduce_scatter_tensor")
+        assert op_name(reduce.args[0]) != "cumsum"
+    other = reduce_where_summed_pass(_summed_graph(rounded=rounded), {"9"})
+    assert _ops(other)[-2:] == ["reduce_scatter_tensor", "wait_tensor"]
+
+
+def test_a_bf16_grad_cast_up_is_reduced_as_cast_and_divided_after():
+    """A bf16 sum cast to fp32 (a matmul's grad): the reduce reads the cast, the division
+    moves to the reduced shard."""
+    gm = reduce_where_summed_pass(_summed_graph(source_dtype=torch.bfloat16), {"0"})
+    reduce = next(n for n in gm.graph.nodes if op_name(n) == "reduce_scatter_tensor")
+    assert op_name(reduce.args[0]) == "convert_element_type"
+    assert reduce.args[0].meta["val"].dtype == torch.float32
+    assert _ops(gm)[-2:] == ["wait_tensor", "div"]
 
 
 if __name__ == "__main__":
