@@ -82,6 +82,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--threads", type=int, default=1, help="intra-op threads (default 1; 0: leave torch's)"
     )
+    p.add_argument("--bucket-bytes", type=int, default=None,
+                   help="fczero's bucket_bytes (default its own; 41216 puts one toy block in a "
+                   "bucket whether or not units are on)")  # fmt: skip
     p.add_argument("--out", type=Path, help="write results.jsonl and results.md here")
     args = p.parse_args(argv)
     args.layers = [int(n) for n in args.layers.split(",") if n.strip()]
@@ -92,7 +95,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def build(arm: str, layers: int, backend: str, mesh) -> tuple[TrainStep, int]:
+def build(
+    arm: str, layers: int, backend: str, mesh, bucket_bytes: int | None = None
+) -> tuple[TrainStep, int]:
     """The arm's step over a fresh tiny Llama of ``layers`` blocks (on the mesh's device
     type), and its param count."""
     import fczero
@@ -102,7 +107,10 @@ def build(arm: str, layers: int, backend: str, mesh) -> tuple[TrainStep, int]:
     model = Llama(cfg).to(mesh.device_type)
     root: nn.Module = LossModule(model)
     if arm.startswith("fczero"):
-        fczero.parallelize(root, mesh, **({"units": None} if arm.endswith("per-read") else {}))
+        options: dict = {"units": None} if arm.endswith("per-read") else {}
+        if bucket_bytes is not None:
+            options["comm_policy"] = fczero.CommPolicy(bucket_bytes=bucket_bytes)
+        fczero.parallelize(root, mesh, **options)
     elif arm.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
@@ -161,7 +169,7 @@ def _sweep(args: argparse.Namespace, mesh) -> list[dict]:
 
 
 def _warm(arm: str, layers: int, args: argparse.Namespace, mesh, batches) -> tuple[TrainStep, int]:
-    step, n_params = build(arm, layers, args.backend, mesh)
+    step, n_params = build(arm, layers, args.backend, mesh, args.bucket_bytes)
     for _ in range(args.warmup):
         step(batches[0])
     return step, n_params

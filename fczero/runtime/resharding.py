@@ -128,6 +128,7 @@ class ReshardScope:
         self.counted: set[int] = set()
         # the unit backward is in, and its regathered params (kept while it is)
         self.current_unit: int | None = None
+        self.unit_start = 0  # its first position in ``saved``
         self.held: dict[int, torch.Tensor] = {}
         # positions in ``saved`` not issued in this backward, ascending (made on first use)
         self._unissued: list[int] | None = None
@@ -244,13 +245,11 @@ class ReshardScope:
         all of them when backward comes back to a unit it left), and count them all as
         handed over: neither may depend on which params this rank unpacks. Returns the
         unit's first position, from which the prefetch looks ahead."""
-        mates = sorted(
-            (m for m in entry.mates if id(m) in self.position),
-            key=lambda m: self.position[id(m)],
-        )
         unit = id(entry.mates[0])
-        if unit == self.current_unit:
-            return self.position[id(mates[0])]
+        if unit == self.current_unit:  # (most unpacks: nothing to look up again)
+            return self.unit_start
+        position = self.position
+        mates = sorted((m for m in entry.mates if id(m) in position), key=lambda m: position[id(m)])
         if unit in self.reached:  # back in a unit it left: all of it again, from scratch
             for mate in mates:
                 old = self.ahead.pop(id(mate), None)
@@ -267,7 +266,8 @@ class ReshardScope:
             if id(mate) in self.issued:
                 continue  # in flight (prefetched, or with an earlier mate's bucket): in ``ahead``
             self._hold(mate, self._issue(self.position[id(mate)]), count=False)
-        return self.position[id(mates[0])]
+        self.unit_start = self.position[id(mates[0])]
+        return self.unit_start
 
     @staticmethod
     def _finish(entry: _Gathered, pending: torch.Tensor | _Piece) -> torch.Tensor:

@@ -417,7 +417,15 @@ def together(fulls: list[torch.Tensor]) -> list[torch.Tensor]:
     NCCL an eager gather hands over an ``AsyncCollectiveTensor``. A tie that took only
     plain tensors left NCCL's gathers untied: a rank whose idle experts got no grad then
     reduced fewer grads than the others, and NCCL hung (tests/runtime/test_units.py ties
-    wrapped gathers on the CPU)."""
+    wrapped gathers on the CPU).
+
+    [Note: one node, one tie]
+    From the second step on, a unit's gathers usually come out of one eager bucket
+    (``fczero.runtime.eager_buckets``), whose autograd node already runs its backward, with
+    zeros for the members that got none, once any member has a grad. A second node around
+    them would cost an ``autograd.Function`` call and a backward node per unit and step
+    for nothing, so it is left out there. Whether it is left out follows from the buckets,
+    which every rank plans alike; and either way every grad of the unit is reduced."""
     tied = [
         i
         for i, f in enumerate(fulls)
@@ -425,6 +433,9 @@ def together(fulls: list[torch.Tensor]) -> list[torch.Tensor]:
     ]
     if len(tied) < 2:
         return fulls
+    node = fulls[tied[0]].grad_fn
+    if node is not None and all(fulls[i].grad_fn is node for i in tied[1:]):
+        return fulls  # one node already ties them: their bucket's ([Note: one node, one tie])
     out = list(fulls)
     for i, f in zip(tied, _Together.apply(*(fulls[i] for i in tied))):
         out[i] = f

@@ -116,6 +116,33 @@ def test_gathers_wrapped_as_over_nccl_are_tied_too():
     torch.testing.assert_close(shards[1].grad, torch.zeros(3))  # reduced as zeros, not skipped
 
 
+class _TwoOut(torch.autograd.Function):
+    """Two outputs of one node, as an eager bucket hands out its members."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        return a * 2, b * 2
+
+    @staticmethod
+    def backward(ctx, ga, gb):  # autograd materializes the grad an output did not get
+        return ga * 2, gb * 2
+
+
+def test_gathers_of_one_bucket_are_not_tied_again():
+    """Members of one bucket share its node, which already brings zeros for the unread
+    member: no second node around them ([Note: one node, one tie])."""
+    from fczero.runtime.units import together
+
+    shards = [torch.randn(3, requires_grad=True) for _ in range(2)]
+    fulls = list(_TwoOut.apply(*shards))
+    read, unread = together(fulls)
+    assert read is fulls[0] and unread is fulls[1]
+    read.sum().backward()
+    torch.testing.assert_close(shards[1].grad, torch.zeros(3))
+    apart = [s * 1 for s in shards]  # two nodes: tied into one
+    assert all(a is not b for a, b in zip(together(apart), apart))
+
+
 def _train_all(rank: int, world: int) -> dict:
     out = {}
     for name, (build, _, batches, criterion) in CASES.items():
