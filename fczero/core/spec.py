@@ -171,22 +171,29 @@ class ShardSpec:
         dtype = self.param_dtype or param.dtype
         return math.prod(self.shape) * dtype.itemsize
 
-    def unshard(self, param: torch.Tensor, eager: EagerGatherer) -> torch.Tensor:
+    def unshard(
+        self, param: torch.Tensor, eager: EagerGatherer, compiling: bool | None = None
+    ) -> torch.Tensor:
         """Sharded param (DTensor) -> unsharded param, differentiably: a plain tensor, or
         for a tensor-parallel param the tensor-parallel DTensor (``fczero.comm.meshes``).
         ``eager.gather_eagerly(spec, param)`` is the eager runtime's gather
         (``fczero.runtime.prefetch``), used outside compiled graphs for params with rows (a method
-        of an argument, read only there: a compiled gather reads nothing of it)."""
-        if torch.compiler.is_compiling():
+        of an argument, read only there: a compiled gather reads nothing of it).
+        ``compiling``: ``torch.compiler.is_compiling()`` as the caller found it (None: ask)."""
+        if compiling is None:
+            compiling = torch.compiler.is_compiling()
+        if compiling:
             traced = self.traced  # one guard for every constant (see the module docstring)
             if traced[0]:
                 return gather_traced(local_shard(param), traced)
-        full = self._unshard_local(param, eager)
+        full = self._unshard_local(param, eager, compiling)
         if self.tensor_parallel is not None:
             return self.tensor_parallel.wrap(full)
         return full
 
-    def _unshard_local(self, param: torch.Tensor, eager: EagerGatherer) -> torch.Tensor:
+    def _unshard_local(
+        self, param: torch.Tensor, eager: EagerGatherer, compiling: bool
+    ) -> torch.Tensor:
         if self.is_scalar:
             return collectives.replicate_scalar(
                 self.on_device(local_shard(param)),
@@ -196,7 +203,7 @@ class ShardSpec:
                 self.reduce_dtype,
                 self.replicate,
             )
-        if torch.compiler.is_compiling():
+        if compiling:
             return gather_traced(local_shard(param), self.traced)
         return eager.gather_eagerly(self, param)
 

@@ -109,7 +109,7 @@ class Unit:
             _release_recompute(root)
         if state.current is None:
             with torch.no_grad(), _no_dispatch_modes():
-                fulls = [unsharded_param(s, s.param) for s in self.states]
+                fulls = [unsharded_param(s, s.param, compiling=False) for s in self.states]
             for s, full in zip(self.states, fulls):
                 # requiring grad as in forward, so the region's ops save the same tensors
                 s.current = full.detach().requires_grad_(s.param.requires_grad)
@@ -354,7 +354,7 @@ def _enter(unit: Unit) -> None:
         _allow_side_effects(_deepen, unit)
         return
     compiling = torch.compiler.is_compiling()
-    fulls = [unsharded_param(s, s.leaf if compiling else s.param) for s in unit.states]
+    fulls = [unsharded_param(s, s.leaf if compiling else s.param, compiling) for s in unit.states]
     if not compiling:  # (a compiled graph issues the same collectives on every rank anyway)
         fulls = together(fulls)
         context = unit.states[0].root.context

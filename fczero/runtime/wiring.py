@@ -49,14 +49,15 @@ def _unsharded_property(name: str, in_unit: bool) -> property:
             held = state.current
             if held is not None:
                 return held
-            if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
-                # (compiling is asked first: Dynamo breaks the graph on the task id)
-                # backward recomputes a checkpointed region inside a unit's forward: the
-                # unit is gathered again as a whole ([Note: units])
-                return state.unit.gather_for_recompute(state)
+        # the one check of this read (a compiled read must not reach the task id below:
+        # Dynamo breaks the graph on it); its answer is handed down
         if torch.compiler.is_compiling():  # the sharded DTensor stays out of the graph
-            return unsharded_param(state, state.leaf)
-        return unsharded_param(state, module._parameters[name])
+            return unsharded_param(state, state.leaf, compiling=True)
+        if in_unit and torch._C._current_graph_task_id() != -1:
+            # backward recomputes a checkpointed region inside a unit's forward: the unit
+            # is gathered again as a whole ([Note: units])
+            return state.unit.gather_for_recompute(state)
+        return unsharded_param(state, module._parameters[name], compiling=False)
 
     return property(get, doc=f"Unsharded {name!r}, gathered by fczero on each access.")
 
@@ -76,15 +77,20 @@ def wire_module(module: nn.Module, names: Iterable[str], in_units: bool = False)
     module.__class__ = wired
 
 
-def unsharded_param(state: ParamState, param: torch.Tensor) -> torch.Tensor:
+def unsharded_param(
+    state: ParamState, param: torch.Tensor, compiling: bool | None = None
+) -> torch.Tensor:
     """The unsharded param a module computes with (called on every access): ``param``
     is the sharded param in eager, ``state.leaf`` when traced ([Note: what a compiled
-    graph differentiates] in ``fczero.core.state``; so Dynamo never reads the DTensor)."""
+    graph differentiates] in ``fczero.core.state``; so Dynamo never reads the DTensor).
+    ``compiling``: ``torch.compiler.is_compiling()`` as the caller found it (None: ask)."""
+    if compiling is None:
+        compiling = torch.compiler.is_compiling()
     traced = state.traced  # the plain stage-3 gather: the one value read on that path
     if traced is not None:
-        if torch.compiler.is_compiling():
+        if compiling:
             return gather_traced(param, traced)
-        return state.spec.unshard(param, state)
+        return state.spec.unshard(param, state, compiling=False)
     spec = state.spec
     grad_path = param.requires_grad and torch.is_grad_enabled()
     accumulating = grad_path and not state.sync
@@ -97,13 +103,13 @@ def unsharded_param(state: ParamState, param: torch.Tensor) -> torch.Tensor:
         # (under compile each read would be one more guard, each write a side effect)
         if spec.keep_unsharded and state.reused is not None:
             state.reused = None
-        return spec.unshard(param, state)
+        return spec.unshard(param, state, compiling)
     if state.whole is not None:
         if not grad_path:
             return state.whole
         whole = state.whole
     else:
-        whole = _gather_without_grad(state, param)
+        whole = _gather_without_grad(state, param, compiling)
         if pending is not None and spec.keep_unsharded:
             state.reused = None  # the accumulation's last micro-batch: the step follows
     route, reducer = state.route, state.root.reducer
@@ -116,7 +122,7 @@ def unsharded_param(state: ParamState, param: torch.Tensor) -> torch.Tensor:
     return whole_param(local, whole, acc, pending, route, reducer)
 
 
-def _gather_without_grad(state: ParamState, param: torch.Tensor) -> torch.Tensor:
+def _gather_without_grad(state: ParamState, param: torch.Tensor, compiling: bool) -> torch.Tensor:
     """Stage 3 (or a 0-d param) while accumulating: the whole param, without the reduce
     that the core gather's backward would issue."""
     spec = state.spec
@@ -124,8 +130,8 @@ def _gather_without_grad(state: ParamState, param: torch.Tensor) -> torch.Tensor
     if spec.is_scalar:
         return collectives.cast_to(spec.on_device(local), spec.param_dtype)
     if spec.keep_unsharded:
-        return _reuse_or_gather(state, local, param)
-    if torch.compiler.is_compiling():
+        return _reuse_or_gather(state, local, param, compiling)
+    if compiling:
         return checkpoint(
             spec.gather, local, use_reentrant=False, context_fn=recompute_everything
         )
@@ -136,7 +142,9 @@ def _gather_without_grad(state: ParamState, param: torch.Tensor) -> torch.Tensor
     return full
 
 
-def _reuse_or_gather(state: ParamState, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+def _reuse_or_gather(
+    state: ParamState, local: torch.Tensor, param: torch.Tensor, compiling: bool
+) -> torch.Tensor:
     """Selective unsharding while accumulating: the first micro-batch's gather serves
     every later one, up to the synced micro-batch, which drops it. Eager also gathers
     again when the sharded param changed in between (its version counter moved: the
@@ -144,7 +152,6 @@ def _reuse_or_gather(state: ParamState, local: torch.Tensor, param: torch.Tensor
     alone); a compiled graph cannot read the counter and relies on the drop alone.
     Under compile the first micro-batch's graph returns the gather (stored in the state)
     and the later ones take it as an input."""
-    compiling = torch.compiler.is_compiling()
     version = -1 if compiling else param._version
     if state.reused is not None and (compiling or state.reused_version == version):
         return state.reused
