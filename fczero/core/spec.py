@@ -41,6 +41,8 @@ path reads the flags themselves. On the same toy the forward's guard check fell 
 
 from __future__ import annotations
 
+import hashlib
+
 import logging
 import math
 from dataclasses import dataclass, field
@@ -272,6 +274,13 @@ def _must_recompute(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 def recompute_everything():
     return create_selective_checkpoint_contexts(_must_recompute)
+
+
+#: What AOT autograd's cache keys this policy on: it caches no graph whose selective
+#: checkpoint has a ``context_fn`` without a ``cache_hash``. The policy's code is the key.
+recompute_everything.cache_hash = hashlib.sha256(
+    _must_recompute.__code__.co_code + recompute_everything.__code__.co_code
+).hexdigest()
 
 
 class _QuietGatherCheckpoint(logging.Filter):

@@ -18,6 +18,8 @@ import hashlib
 import logging
 from pathlib import Path
 
+import torch
+import torch._functorch.config
 import torch.fx as fx
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -75,9 +77,36 @@ def install() -> None:
         return
     inductor_config.post_grad_custom_post_pass = FczeroPostGradPass(_as_list(current))
     inductor_config.reorder_for_peak_memory = False
+    caches = _let_aot_autograd_cache_fczero_graphs()
     logger.info(
         "installed fczero's passes in torch._inductor.config.post_grad_custom_post_pass "
-        "and set reorder_for_peak_memory=False (it would undo prefetching)"
+        "and set reorder_for_peak_memory=False (it would undo prefetching)%s",
+        caches,
+    )
+
+
+def _let_aot_autograd_cache_fczero_graphs() -> str:
+    """Let AOT autograd's cache keep graphs that hold fczero's gather, and say so.
+
+    [Note: AOT autograd's cache and the gather]
+    A compiled gather is an ``autograd.Function`` (all-gather forward, reduce-scatter in
+    the reduce dtype backward: ``fczero.comm.collectives``), which Dynamo traces into the
+    graph, forward and backward bodies included. AOT autograd's cache refuses any graph
+    holding a custom ``autograd.Function`` unless
+    ``torch._functorch.config.autograd_cache_allow_custom_autograd_functions`` is set, so a
+    restart of a job paid AOT autograd's whole trace and partition again, while plain
+    models skipped it (Inductor's FX graph cache still hit). The traced bodies are part of
+    the graph the cache keys on. fczero sets the flag; set it back to ``False`` after
+    ``parallelize`` if a custom ``autograd.Function`` of yours must not be cached."""
+    config = torch._functorch.config
+    if not hasattr(config, "autograd_cache_allow_custom_autograd_functions"):
+        return ""
+    if config.autograd_cache_allow_custom_autograd_functions:
+        return ""
+    config.autograd_cache_allow_custom_autograd_functions = True
+    return (
+        ", and set torch._functorch.config.autograd_cache_allow_custom_autograd_functions="
+        "True (AOT autograd's cache would refuse graphs holding fczero's gather)"
     )
 
 
