@@ -42,7 +42,6 @@ path reads the flags themselves. On the same toy the forward's guard check fell 
 from __future__ import annotations
 
 import hashlib
-
 import logging
 import math
 from dataclasses import dataclass, field
@@ -173,17 +172,13 @@ class ShardSpec:
         dtype = self.param_dtype or param.dtype
         return math.prod(self.shape) * dtype.itemsize
 
-    def unshard(
-        self, param: torch.Tensor, eager: EagerGatherer, compiling: bool | None = None
-    ) -> torch.Tensor:
+    def unshard(self, param: torch.Tensor, eager: EagerGatherer, compiling: bool) -> torch.Tensor:
         """Sharded param (DTensor) -> unsharded param, differentiably: a plain tensor, or
         for a tensor-parallel param the tensor-parallel DTensor (``fczero.comm.meshes``).
         ``eager.gather_eagerly(spec, param)`` is the eager runtime's gather
         (``fczero.runtime.prefetch``), used outside compiled graphs for params with rows (a method
         of an argument, read only there: a compiled gather reads nothing of it).
-        ``compiling``: ``torch.compiler.is_compiling()`` as the caller found it (None: ask)."""
-        if compiling is None:
-            compiling = torch.compiler.is_compiling()
+        ``compiling``: ``torch.compiler.is_compiling()``, as the read asked it once."""
         if compiling:
             traced = self.traced  # one guard for every constant (see the module docstring)
             if traced[0]:

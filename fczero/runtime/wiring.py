@@ -77,15 +77,11 @@ def wire_module(module: nn.Module, names: Iterable[str], in_units: bool = False)
     module.__class__ = wired
 
 
-def unsharded_param(
-    state: ParamState, param: torch.Tensor, compiling: bool | None = None
-) -> torch.Tensor:
+def unsharded_param(state: ParamState, param: torch.Tensor, compiling: bool) -> torch.Tensor:
     """The unsharded param a module computes with (called on every access): ``param``
     is the sharded param in eager, ``state.leaf`` when traced ([Note: what a compiled
     graph differentiates] in ``fczero.core.state``; so Dynamo never reads the DTensor).
-    ``compiling``: ``torch.compiler.is_compiling()`` as the caller found it (None: ask)."""
-    if compiling is None:
-        compiling = torch.compiler.is_compiling()
+    ``compiling``: ``torch.compiler.is_compiling()``, as the read asked it once."""
     traced = state.traced  # the plain stage-3 gather: the one value read on that path
     if traced is not None:
         if compiling:
