@@ -13,9 +13,11 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 
 import fczero
 from fczero.testing import parity
+from fczero.testing.backends import BACKENDS
 from tests.models.moe import loop_moe, moe_batches, packed_moe
 from tests.models import (
     GraphBreakMLP,
@@ -102,6 +104,18 @@ def run_cases(
     return train_each(rank, world_size, runs, device_type)
 
 
+#: A case backend ``blocks:<backend>``: after ``parallelize`` each block (each module of the
+#: model's first ``nn.ModuleList``) is compiled on its own with ``block.compile(backend=...)``,
+#: the rest eager ([Note: blocks compiled alone] in fczero/runtime/units.py).
+BLOCKS = "blocks:"
+
+
+def compile_blocks(model: nn.Module, backend: str) -> None:
+    blocks = next(m for m in model.modules() if isinstance(m, nn.ModuleList))
+    for block in blocks:
+        block.compile(backend=BACKENDS.get(backend, backend))
+
+
 def train_each(
     rank: int, world_size: int, runs: list[tuple], device_type: str
 ) -> list[parity.Trace]:
@@ -110,6 +124,10 @@ def train_each(
     traces = []
     for build, batches, criterion, optimizer, lr, backend, options in runs:
         torch._dynamo.reset()
+        finish = None
+        if backend is not None and backend.startswith(BLOCKS):
+            finish = functools.partial(compile_blocks, backend=backend.removeprefix(BLOCKS))
+            backend = None
         traces.append(
             parity.train_parallel(
                 rank,
@@ -121,6 +139,7 @@ def train_each(
                 lr=lr,
                 compile_backend=backend,
                 device_type=device_type,
+                finish=finish,
                 **options,
             )
         )

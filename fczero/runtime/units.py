@@ -53,7 +53,7 @@ import os
 import re
 import types
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +90,7 @@ class Unit:
     states: list[ParamState] = field(default_factory=list)
     depth: int = 0  # forwards of this unit running now (a unit may call itself)
     shared: bool = False  # its class has other units in the model (REUSE_BLOCKS compiles it once)
+    compiled: Callable | None = None  # its forward, compiled by ``module.compile()``
 
     def gather_for_recompute(self, state: ParamState) -> torch.Tensor:
         """Backward recomputes a checkpointed region that runs inside this unit's forward
@@ -268,9 +269,12 @@ def install(model: nn.Module, units: list[Unit]) -> None:
         cls = type(module)
         wrapped = _UNIT_CLASSES.get(cls)
         if wrapped is None:
-            wrapped = type(
-                cls.__name__, (cls,), {"forward": _unit_forward(cls.forward), "__module__": cls.__module__}
-            )
+            attrs = {
+                "forward": _unit_forward(cls.forward),
+                "compile": _compile_body(cls.forward),
+                "__module__": cls.__module__,
+            }
+            wrapped = type(cls.__name__, (cls,), attrs)
             _UNIT_CLASSES[cls] = wrapped
         module.__class__ = wrapped
 
@@ -281,15 +285,17 @@ def _unit_forward(forward):
     @functools.wraps(forward)
     def unit_forward(self: nn.Module, *args, **kwargs):
         unit = self.__dict__[ATTR].unit
-        reuse = (
-            REUSE_BLOCKS
-            and unit.shared
-            and not unit.depth
-            and torch.compiler.is_compiling()
-            and _reuse_supported()
-        )
+        compiling = torch.compiler.is_compiling()
+        outermost = not unit.depth
+        # eager around a body compiled by ``module.compile()`` ([Note: blocks compiled alone])
+        body = unit.compiled if outermost and not compiling else None
+        reuse = body is None and REUSE_BLOCKS and unit.shared and outermost and compiling
+        if reuse and not _reuse_supported():
+            reuse = False
         _enter(unit)
         try:
+            if body is not None:
+                return body(self, *args, **kwargs)
             if reuse:
                 fulls = tuple(state.current for state in unit.states)
                 return region(self, fulls, *args, **kwargs)
@@ -314,6 +320,36 @@ def _reuse_supported() -> bool:
         torch.__version__,
     )
     return False
+
+
+def _compile_body(forward):
+    """The unit class's ``compile``: ``module.compile(**options)`` compiles the user's
+    ``forward`` and leaves the unit's gathers out of it.
+
+    [Note: blocks compiled alone]
+    torchtitan's recipe compiles each block on its own (``block.compile()`` for every block
+    after sharding). Dynamo keys its cache on the code object, so every block of one class
+    shares the compiled graphs and the first step costs one block's compile, whatever the
+    depth. ``nn.Module.compile`` would trace the unit's wrapper too, with the unit's gathers
+    at the start of each block's graph: nothing could issue the next block's gather while
+    this block computes, and each block would wait for its own.
+
+    Here the unit's forward stays eager around the compiled body: ``_enter`` gathers the
+    unit's params through fczero's eager runtime (the order recorded at the first forward,
+    the next unit's gather prefetched on the communication stream, consecutive gathers
+    bucketed, grads reduce-scattered by the bucket's backward), and the compiled body reads
+    each param as the gathered tensor its unit holds (``state.current``), which Dynamo lifts
+    as a graph input. Whole-model ``torch.compile(model)`` ignores this: it traces the
+    wrapper, gathers included, as before."""
+
+    def compile(self: nn.Module, *args, **kwargs) -> None:
+        self.__dict__[ATTR].unit.compiled = torch.compile(forward, *args, **kwargs)
+
+    compile.__doc__ = (
+        "Compile this block's forward (``torch.compile`` options); fczero's gathers stay "
+        "eager around it, prefetched ([Note: blocks compiled alone] in fczero.runtime.units)."
+    )
+    return compile
 
 
 def _shared_region(forward):

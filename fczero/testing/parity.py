@@ -108,6 +108,7 @@ def train_parallel(
     data_axes: tuple[str, ...] | None = None,
     prepare: Callable[[nn.Module, Any], Any] | None = None,
     configure_optimizer: Callable[[torch.optim.Optimizer], Any] | None = None,
+    finish: Callable[[nn.Module], Any] | None = None,
     **options: Any,
 ) -> Trace:
     """One rank of fczero training on its slice of every batch (call inside a process group).
@@ -118,7 +119,8 @@ def train_parallel(
     other axes see the same slice), and ``prepare(model, mesh)`` runs before
     ``fczero.parallelize`` (e.g. tensor parallelism's ``parallelize_module``).
     ``configure_optimizer(optimizer)`` runs once the optimizer is built (e.g.
-    ``fczero.offload_optimizer_states``).
+    ``fczero.offload_optimizer_states``). ``finish(model)`` runs right after
+    ``fczero.parallelize`` (e.g. ``block.compile()`` for every block).
     """
     torch.manual_seed(seed)
     model = build()
@@ -126,6 +128,8 @@ def train_parallel(
     if prepare is not None:
         prepare(model, mesh)
     fczero.parallelize(model, mesh, **options)
+    if finish is not None:
+        finish(model)
     step_fn: Callable[[torch.Tensor], torch.Tensor] = model
     if compile_backend is not None:
         step_fn = torch.compile(model, backend=BACKENDS.get(compile_backend, compile_backend))

@@ -57,6 +57,10 @@ CASES = [
     Case("gqa-selective", "adamw", backend="inductor"),
     Case("gqa-full", backend="inductor", options=BF16_OPTS),
     Case("gqa-full", "adamw", backend="inductor-cudagraphs"),
+    # each block compiled on its own, the gathers eager around it (prefetched, bucketed)
+    Case("gqa-full", "adamw", backend="blocks:inductor"),
+    Case("moe-loop", "adamw", backend="blocks:inductor"),
+    Case("llama", backend="blocks:inductor", options=BF16_OPTS),
 ]
 
 

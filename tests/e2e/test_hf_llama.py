@@ -108,6 +108,8 @@ CASES = [
     ("aot_eager", HFCausalLM, "aot_eager", {}),
     ("aot_eager-meta_init", meta_hf, "aot_eager", {"init_fn": hf_init}),
     ("aot_eager-checkpointed", CheckpointedHF, "aot_eager", {}),
+    # each decoder layer compiled on its own (torchtitan's way), HF's checkpointing around it
+    ("blocks-aot_eager-checkpointed", CheckpointedHF, "blocks:aot_eager", {}),
     (
         "eager-bf16",
         HFCausalLM,
@@ -167,6 +169,7 @@ def test_hf_llama_nccl_inductor():
     cases = [
         ("inductor", HFCausalLM, "inductor", {}),
         ("inductor-meta_init", meta_hf, "inductor", {"init_fn": hf_init}),
+        ("blocks-inductor-checkpointed", CheckpointedHF, "blocks:inductor", {}),
         (
             "inductor-bf16",
             HFCausalLM,

@@ -40,6 +40,11 @@ CASES = {
             options=BF16_OPTS,
         ),
         Case("llama", backend="aot_eager_with_passes", options=(("comm_policy", REGATHER),)),
+        # each block compiled on its own, the gathers eager around it (blocks: in tests/cases.py)
+        Case("llama", "adamw", backend="blocks:aot_eager"),
+        Case("llama", backend="blocks:aot_eager", options=(("comm_policy", REGATHER),)),
+        Case("gqa-full", "adamw", backend="blocks:aot_eager"),
+        Case("moe-loop", "adamw", backend="blocks:aot_eager"),
     ],
     4: [
         Case("mlp"),

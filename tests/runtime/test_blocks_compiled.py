@@ -1,0 +1,89 @@
+"""Blocks compiled on their own ([Note: blocks compiled alone] in fczero/runtime/units.py):
+``block.compile()`` after ``parallelize`` compiles the block's body once for every block of
+its class, leaves the gathers eager (recorded, prefetched), recompiles at most once when the
+batch or the sequence changes, and still lets a whole-model ``torch.compile`` trace the
+gathers. Parity with the one-process reference: tests/e2e/test_numerics.py (gloo),
+tests/e2e/test_gpu.py (NCCL), tests/e2e/test_hf_llama.py (Hugging Face's checkpointing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo.testing
+from torch.distributed.device_mesh import init_device_mesh
+
+import fczero
+from fczero.models import Llama, LlamaConfig
+from fczero.testing.backends import recording
+from fczero.testing.graphs import collective_sequence
+
+FOUR_BLOCKS = LlamaConfig(vocab_size=64, dim=32, n_layers=4, n_heads=2, ffn_dim=40)
+
+
+def _parallel_llama(cfg: LlamaConfig = FOUR_BLOCKS) -> Llama:
+    torch.manual_seed(0)
+    return fczero.parallelize(Llama(cfg), init_device_mesh("cpu", (2,)))
+
+
+def _step(model: Llama, batch: int, seq: int) -> None:
+    tokens = torch.randint(0, 64, (batch, seq))
+    model(tokens).float().pow(2).mean().backward()
+
+
+def test_every_block_of_a_class_shares_one_compiled_body_without_gathers(fake_pg):
+    model = _parallel_llama()
+    graphs: list = []
+    counter = torch._dynamo.testing.CompileCounterWithBackend(recording(graphs))
+    for block in model.layers:
+        block.compile(backend=counter)
+    for _ in range(3):  # the first forward records the gathers, later ones prefetch
+        _step(model, 2, 8)
+    assert counter.frame_count == 1  # four blocks, three steps: one compile
+    assert graphs, "the block body was never compiled"
+    for graph in graphs:  # the body's graphs hold no collective: the unit gathers eagerly
+        assert collective_sequence(graph) == [], collective_sequence(graph)
+
+
+#: batch x sequence per step: a short last batch, then shorter sequences, twice over
+SHAPES = [(4, 8), (4, 8), (3, 8), (4, 6), (4, 8), (3, 5), (4, 7)]
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["blocks", "whole-model"])
+def test_a_changed_batch_or_sequence_compiles_once_per_changed_size(fake_pg, whole):
+    """Dynamo compiles static sizes first, makes a size dynamic when it changes (one
+    recompile each for the batch and the sequence), and reuses that graph from then on.
+    (A batch of one would compile once more: Dynamo specializes sizes 0 and 1.)"""
+    model = _parallel_llama()
+    counter = torch._dynamo.testing.CompileCounterWithBackend(recording())
+    step = model
+    if whole:
+        step = torch.compile(model, backend=counter)
+    else:
+        for block in model.layers:
+            block.compile(backend=counter)
+    counts = []
+    for batch, seq in SHAPES * 2:
+        step(torch.randint(0, 64, (batch, seq))).float().pow(2).mean().backward()
+        counts.append(counter.frame_count)
+    assert counts[: len(SHAPES)] == [1, 1, 2, 3, 3, 3, 3]
+    assert counts[len(SHAPES) :] == [3] * len(SHAPES)  # the second pass compiles nothing
+
+
+def _whole_model_collectives(compile_blocks_first: bool) -> list[str]:
+    torch._dynamo.reset()
+    model = _parallel_llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=40))
+    if compile_blocks_first:
+        for block in model.layers:
+            block.compile(backend="eager")
+    graphs: list = []
+    compiled = torch.compile(model, backend=recording(graphs), fullgraph=True)
+    compiled(torch.randint(0, 64, (2, 8))).float().pow(2).mean().backward()
+    return [c for graph in graphs for c in collective_sequence(graph)]
+
+
+def test_whole_model_compile_still_traces_the_gathers_after_block_compile(fake_pg):
+    """``torch.compile(model)`` ignores the blocks' own compile: the gathers and reduces stay
+    in its graphs, where the passes place them, as without it."""
+    with_blocks = _whole_model_collectives(compile_blocks_first=True)
+    assert any("all_gather" in c for c in with_blocks), with_blocks
+    assert with_blocks == _whole_model_collectives(compile_blocks_first=False)
