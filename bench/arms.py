@@ -340,7 +340,9 @@ def build_fczero_cuda_graphs(ctx: ArmContext) -> Arm:
 
 def build_fczero_per_block(ctx: ArmContext) -> Arm:
     """fczero with each block compiled on its own after ``parallelize`` (torchtitan's way),
-    the rest eager: a short first step, but no pass sees two blocks at once."""
+    the rest eager: one block's compile for the first step, whatever the depth; the gathers
+    stay eager around each compiled body, recorded and prefetched a block ahead, in forward
+    and in the recompute of a checkpointed block ([Note: blocks compiled alone])."""
     import fczero
 
     model = build_model(ctx)

@@ -8,13 +8,14 @@
 For each depth (``--layers``) it builds the benchmark's Llama (``bench.arms.build_model``;
 on the CPU the smoke run's tiny width, ``bench.run.SMOKE``; on a GPU ``--model``'s
 preset from ``bench.run.MODELS``) and times the first training step (forward, backward,
-AdamW step; compilation included) of three arms of ``bench.arms``:
+AdamW step; compilation included) of four arms of ``bench.arms``:
 
 | arm | what compiles |
 | --- | --- |
 | floor | the plain model (bf16 autocast, no comm), ``torch.compile`` of the whole |
 | floor-per-block | the same, each block ``block.compile()``'d, the rest eager |
 | fczero-compiled | ``fczero.parallelize(model, mesh)`` (bf16 params), ``torch.compile`` of the whole |
+| fczero-per-block | the same, each block ``block.compile()``'d (its gathers eager, prefetched), the rest eager |
 
 Each first step is split into parts, from torch's own compile-time accounting
 (``torch._dynamo.utils.calculate_time_spent``: the seconds each ``dynamo_timed`` phase took
@@ -84,7 +85,7 @@ logger = logging.getLogger("fczero.bench")
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS, TABLE, CHART = "compile_time.jsonl", "compile_time.md", "compile_time.png"
-DEFAULT_ARMS = ("floor", "floor-per-block", "fczero-compiled")
+DEFAULT_ARMS = ("floor", "floor-per-block", "fczero-compiled", "fczero-per-block")
 PARTS = ("dynamo", "aot", "inductor", "passes")
 """The parts of a first step, in the table's order (each ``<part>_s`` in a record)."""
 TEST_BACKENDS = ("aot_eager_with_passes",)
@@ -160,7 +161,7 @@ def model_config(args: argparse.Namespace, layers: int) -> tuple[LlamaConfig, in
         tie = False
     else:
         base = dict(MODELS[args.model])
-        batch, seq = REGIMES["R" if args.model == "llama3-3b" else "M"]
+        batch, seq = REGIMES["R" if args.model in ("llama3-3b", "hf-llama3-3b") else "M"]
         tie = bool(base["tie"])
     size = {k: getattr(args, k) if getattr(args, k) is not None else base[k] for k in
             ("dim", "heads", "kv_heads", "ffn", "vocab", "checkpointing")}  # fmt: skip
@@ -221,6 +222,7 @@ def measure(spec: dict) -> dict:
     ctx = ArmContext(
         cfg=cfg, mesh=_mesh(spec, device), device=device, batch=spec["batch"],
         seq_len=spec["seq"], seed=spec["seed"], compile_backend=_backend(spec["backend"]),
+        hf=spec.get("hf", False),
     )  # fmt: skip
     arm = ARMS[spec["arm"]].build(ctx)
     gen = torch.Generator().manual_seed(spec["seed"] + 1 + spec["rank"])
@@ -336,6 +338,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
                         "arm": arm, "device": args.device, "backend": args.backend,
                         "cfg": dataclasses.asdict(cfg), "batch": batch, "seq": seq,
                         "seed": args.seed, "rank": rank, "world": world, "fake": not torchrun,
+                        "hf": args.device == "cuda" and bool(MODELS[args.model].get("hf")),
                         "timeout": args.timeout, "prefix": f"compile_time/{index}/",
                         "result": str(cache / "result.json"),
                     }  # fmt: skip

@@ -63,6 +63,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
 
 from fczero.core.state import ATTR, ParamState, module_state
+from fczero.runtime import recompute
 from fczero.runtime.wiring import unsharded_param
 
 logger = logging.getLogger("fczero")
@@ -91,6 +92,10 @@ class Unit:
     depth: int = 0  # forwards of this unit running now (a unit may call itself)
     shared: bool = False  # its class has other units in the model (REUSE_BLOCKS compiles it once)
     compiled: Callable | None = None  # its forward, compiled by ``module.compile()``
+    cls: type | None = None  # its module's class
+    # the unit whose forward began just before this one's in the last eager forward
+    # (backward prefetches its regather: [Note: regathers for a recompute])
+    previous: Unit | None = None
 
     def gather_for_recompute(self, state: ParamState) -> torch.Tensor:
         """Backward recomputes a checkpointed region that runs inside this unit's forward
@@ -265,6 +270,7 @@ def install(model: nn.Module, units: list[Unit]) -> None:
     for unit in units:
         module = modules[unit.path]
         unit.shared = per_class[type(module)] > 1
+        unit.cls = type(module)
         module_state(module, create=True).unit = unit
         cls = type(module)
         wrapped = _UNIT_CLASSES.get(cls)
@@ -390,10 +396,15 @@ def _enter(unit: Unit) -> None:
         _allow_side_effects(_deepen, unit)
         return
     compiling = torch.compiler.is_compiling()
-    fulls = [unsharded_param(s, s.leaf if compiling else s.param, compiling) for s in unit.states]
-    if not compiling:  # (a compiled graph issues the same collectives on every rank anyway)
-        fulls = together(fulls)
-        context = unit.states[0].root.context
+    if compiling:  # (a compiled graph issues the same collectives on every rank anyway)
+        fulls = [unsharded_param(s, s.leaf, True) for s in unit.states]
+    elif recompute.in_backward():  # a checkpoint recomputes the unit
+        fulls = recompute.regather(unit) or [unsharded_param(s, s.param, False) for s in unit.states]
+    else:
+        root = unit.states[0].root
+        unit.previous, root.last_unit = root.last_unit, unit
+        fulls = together([unsharded_param(s, s.param, False) for s in unit.states])
+        context = root.context
         if context is not None and context.scope is not None:
             context.scope.group(fulls)  # regathered in backward as one unit too
     _allow_side_effects(_hold, unit, fulls)

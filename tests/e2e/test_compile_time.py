@@ -24,7 +24,7 @@ from bench import compile_time
 from fczero.passes import timing
 
 
-@pytest.mark.slow  # six processes, each importing torch and compiling: about a minute
+@pytest.mark.slow  # eight processes, each importing torch and compiling: about a minute
 def test_smoke_run_splits_each_first_step(tmp_path: Path, capsys) -> None:
     out = tmp_path / "ct"
     argv = ["--layers", "1", "2", "--backend", "aot_eager_with_passes", "--out", str(out)]
