@@ -161,18 +161,6 @@ def reduce_scatter_sum(full: torch.Tensor, group_size: int, group_name: str) -> 
     return _c10d.wait_tensor(out)
 
 
-def reduce_scatter_sum_in_flight(
-    full: torch.Tensor, group_size: int, group_name: str
-) -> tuple[torch.Tensor, bool]:
-    """Issue ``reduce_scatter_sum`` and leave it in flight: (this rank's slice, whether it is
-    already waited: on gloo it is, see ``one_at_a_time``). The caller waits it (``wait``)
-    before anything reads it."""
-    out = _c10d.reduce_scatter_tensor(full.contiguous(), "sum", group_size, group_name)
-    if one_at_a_time(group_name):
-        return _c10d.wait_tensor(out), True
-    return out, False
-
-
 def all_reduce_sum_in_flight(t: torch.Tensor, group_name: str) -> torch.Tensor:
     """Issue the sum of ``t`` over ranks and leave it in flight for the caller to wait
     (``wait_tensor``); on gloo it is waited here (see ``one_at_a_time``)."""

@@ -329,20 +329,8 @@ def _grad_arrived(state: weakref.ref, leaf: torch.Tensor) -> None:
 _STATES = WeakIds()
 
 
-#: Plain leaf -> weak reference to its state (``leaf_state``).
-_LEAVES = WeakIds()
-
-
 def remember(state: ParamState) -> None:
     _STATES[state.param] = weakref.ref(state)
-    if state.leaf is not state.param:
-        _LEAVES[state.leaf] = weakref.ref(state)
-
-
-def leaf_state(leaf: torch.Tensor) -> ParamState | None:
-    """The state whose plain leaf ``leaf`` is (None: not one, or its model is gone)."""
-    ref = _LEAVES.get(leaf)
-    return ref() if ref is not None else None
 
 
 def any_sharded(params: tuple[torch.Tensor, ...]) -> bool:

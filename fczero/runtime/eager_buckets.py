@@ -53,7 +53,6 @@ only when the saved list changes (``fczero.runtime.resharding.RegatherPlans``).
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,7 +63,6 @@ from fczero.comm import collectives
 from fczero.comm.buckets import plan_items
 from fczero.comm.flat import FlatLayout, copy_in, copy_out
 from fczero.core.spec import sharded_grad
-from fczero.runtime import reduce_in_flight
 
 if TYPE_CHECKING:
     from fczero.core.spec import ShardSpec
@@ -176,7 +174,6 @@ class _BucketGather(torch.autograd.Function):
     def forward(ctx, spec0: ShardSpec, layouts: tuple[FlatLayout, ...], dtype, gathered, *params):  # type: ignore[override]
         ctx.meta = (spec0, layouts)
         ctx.specs = tuple(p._spec if isinstance(p, DTensor) else None for p in params)
-        ctx.members = params  # (the grads may reach them after this node: reduce_later)
         return tuple(_copy_out(gathered, spec0.group_size, layouts, dtype))
 
     @staticmethod
@@ -192,14 +189,6 @@ class _BucketGather(torch.autograd.Function):
             )
             rank_major(grads, layouts, world, flat)
             collectives.average_(flat, world, replicate)
-            if replicate is None and not collectives.tracing():
-                # the grads reach the params once the reduce-scatter is waited, later
-                # ([Note: a reduce-scatter in flight] in fczero.runtime.reduce_in_flight)
-                pieces = functools.partial(_shard_rows, layouts=layouts)
-                reduce_in_flight.reduce_later(
-                    flat.view(-1), world, spec0.group_name, pieces, ctx.members
-                )
-                return (None,) * (4 + len(layouts))
             reduced = collectives.reduce_scatter_sum(flat.view(-1), world, spec0.group_name)
             reduced = collectives.over_replicas(reduced, replicate)
             pieces = _shard_rows(reduced, layouts)
