@@ -57,9 +57,10 @@ logger = logging.getLogger("fczero.bench")
 
 ARMS = (
     "plain-eager", "plain-compiled", "fczero-eager", "fczero-compiled", "fsdp2-eager",
-    "fczero-eager-per-read",
+    "fczero-eager-per-read", "plain-blocks", "fczero-blocks", "fsdp2-blocks",
 )  # fmt: skip
-"""``fczero-eager-per-read``: ``units=None`` (each read gathers), against plain eager."""
+"""``fczero-eager-per-read``: ``units=None`` (each read gathers), against plain eager;
+``X-blocks``: each block compiled on its own (``block.compile()``), the rest eager."""
 """Every arm, in the order they run; ``fczero-X`` and ``fsdp2-X`` are compared with
 ``plain-X``. ``fsdp2-eager`` (FSDP2's ``fully_shard`` on each block and the root) is not in
 the default sweep: ``--arms`` names it."""
@@ -120,6 +121,9 @@ def build(
     params = list(root.parameters())
     opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
     module = torch.compile(root, backend=backend) if arm.endswith("compiled") else root
+    if arm.endswith("blocks"):
+        for block in model.layers:
+            block.compile(backend=backend)
     return TrainStep(module, opt), len(params)
 
 

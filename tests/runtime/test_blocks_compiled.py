@@ -7,7 +7,6 @@ tests/e2e/test_gpu.py (NCCL), tests/e2e/test_hf_llama.py (Hugging Face's checkpo
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch._dynamo.testing
 from torch.distributed.device_mesh import init_device_mesh
@@ -48,22 +47,18 @@ def test_every_block_of_a_class_shares_one_compiled_body_without_gathers(fake_pg
 SHAPES = [(4, 8), (4, 8), (3, 8), (4, 6), (4, 8), (3, 5), (4, 7)]
 
 
-@pytest.mark.parametrize("whole", [False, True], ids=["blocks", "whole-model"])
-def test_a_changed_batch_or_sequence_compiles_once_per_changed_size(fake_pg, whole):
+def test_a_changed_batch_or_sequence_compiles_once_per_changed_size(fake_pg):
     """Dynamo compiles static sizes first, makes a size dynamic when it changes (one
-    recompile each for the batch and the sequence), and reuses that graph from then on.
-    (A batch of one would compile once more: Dynamo specializes sizes 0 and 1.)"""
+    recompile each for the batch and the sequence), and reuses that body from then on, in
+    every block. (A batch of one would compile once more: Dynamo specializes sizes 0 and 1.
+    The whole-model compile: tests/e2e/test_recompiles.py.)"""
     model = _parallel_llama()
     counter = torch._dynamo.testing.CompileCounterWithBackend(recording())
-    step = model
-    if whole:
-        step = torch.compile(model, backend=counter)
-    else:
-        for block in model.layers:
-            block.compile(backend=counter)
+    for block in model.layers:
+        block.compile(backend=counter)
     counts = []
     for batch, seq in SHAPES * 2:
-        step(torch.randint(0, 64, (batch, seq))).float().pow(2).mean().backward()
+        _step(model, batch, seq)
         counts.append(counter.frame_count)
     assert counts[: len(SHAPES)] == [1, 1, 2, 3, 3, 3, 3]
     assert counts[len(SHAPES) :] == [3] * len(SHAPES)  # the second pass compiles nothing
