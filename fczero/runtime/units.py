@@ -269,10 +269,12 @@ def install(model: nn.Module, units: list[Unit]) -> None:
     per_class = collections.Counter(type(modules[unit.path]) for unit in units)
     for unit in units:
         module = modules[unit.path]
-        unit.shared = per_class[type(module)] > 1
-        unit.cls = type(module)
-        module_state(module, create=True).unit = unit
         cls = type(module)
+        unit.shared = per_class[cls] > 1
+        unit.cls = cls
+        module_state(module, create=True).unit = unit
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            _warn_compiled_before(unit.path)
         wrapped = _UNIT_CLASSES.get(cls)
         if wrapped is None:
             attrs = {
@@ -283,6 +285,17 @@ def install(model: nn.Module, units: list[Unit]) -> None:
             wrapped = type(cls.__name__, (cls,), attrs)
             _UNIT_CLASSES[cls] = wrapped
         module.__class__ = wrapped
+
+
+def _warn_compiled_before(path: str) -> None:
+    """A unit compiled before ``parallelize`` (``module.compile()``, as FSDP2's torchtitan
+    order has it) traces its gathers into its own graph, where nothing prefetches them."""
+    logger.warning(
+        "fczero: %s was compiled before parallelize: its gathers run inside its graph, "
+        "each block waiting for its own. Call its .compile() after parallelize instead: the "
+        "gathers then stay outside, prefetched a block ahead ([Note: blocks compiled alone]).",
+        path or "the root",
+    )
 
 
 def _unit_forward(forward):

@@ -7,6 +7,8 @@ tests/e2e/test_gpu.py (NCCL), tests/e2e/test_hf_llama.py (Hugging Face's checkpo
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch._dynamo.testing
 from torch.distributed.device_mesh import init_device_mesh
@@ -82,3 +84,14 @@ def test_whole_model_compile_still_traces_the_gathers_after_block_compile(fake_p
     with_blocks = _whole_model_collectives(compile_blocks_first=True)
     assert any("all_gather" in c for c in with_blocks), with_blocks
     assert with_blocks == _whole_model_collectives(compile_blocks_first=False)
+
+
+def test_a_block_compiled_before_parallelize_is_told_to_compile_after(fake_pg, caplog):
+    torch.manual_seed(0)
+    model = Llama(FOUR_BLOCKS)
+    model.layers[0].compile(backend="eager")
+    with caplog.at_level(logging.WARNING, logger="fczero"):
+        fczero.parallelize(model, init_device_mesh("cpu", (2,)))
+    said = [r.getMessage() for r in caplog.records if "compiled before parallelize" in r.getMessage()]
+    assert len(said) == 1 and "layers.0" in said[0] and ".compile() after parallelize" in said[0]
+    _step(model, 2, 8)  # and it still trains, its gathers traced into its graph
