@@ -267,6 +267,7 @@ def install(model: nn.Module, units: list[Unit]) -> None:
     also follow every forward pre-hook (the root's opens the eager context)."""
     modules = dict(model.named_modules())
     per_class = collections.Counter(type(modules[unit.path]) for unit in units)
+    compiled_before: list[str] = []
     for unit in units:
         module = modules[unit.path]
         cls = type(module)
@@ -274,7 +275,7 @@ def install(model: nn.Module, units: list[Unit]) -> None:
         unit.cls = cls
         module_state(module, create=True).unit = unit
         if getattr(module, "_compiled_call_impl", None) is not None:
-            _warn_compiled_before(unit.path)
+            compiled_before.append(unit.path or "the root")
         wrapped = _UNIT_CLASSES.get(cls)
         if wrapped is None:
             attrs = {
@@ -285,16 +286,20 @@ def install(model: nn.Module, units: list[Unit]) -> None:
             wrapped = type(cls.__name__, (cls,), attrs)
             _UNIT_CLASSES[cls] = wrapped
         module.__class__ = wrapped
+    if compiled_before:
+        _warn_compiled_before(compiled_before)
 
 
-def _warn_compiled_before(path: str) -> None:
-    """A unit compiled before ``parallelize`` (``module.compile()``, as FSDP2's torchtitan
-    order has it) traces its gathers into its own graph, where nothing prefetches them."""
+def _warn_compiled_before(paths: list[str]) -> None:
+    """Units compiled before ``parallelize`` (``module.compile()``, as FSDP2's torchtitan
+    order has it) trace their gathers into their own graphs, where nothing prefetches them."""
     logger.warning(
-        "fczero: %s was compiled before parallelize: its gathers run inside its graph, "
-        "each block waiting for its own. Call its .compile() after parallelize instead: the "
-        "gathers then stay outside, prefetched a block ahead ([Note: blocks compiled alone]).",
-        path or "the root",
+        "fczero: %d unit(s) were compiled before parallelize (%s): their gathers run inside "
+        "their graphs, each block waiting for its own. Call .compile() on them after "
+        "parallelize instead: the gathers then stay outside, prefetched a block ahead "
+        "([Note: blocks compiled alone]).",
+        len(paths),
+        _summary(paths),
     )
 
 
