@@ -247,6 +247,9 @@ def _summary(paths: list[str], limit: int = 4) -> str:
     return shown if len(paths) <= limit else f"{shown}, ... {len(paths) - limit} more"
 
 
+#: roots whose blocks were told they compile on their own (``_compile_body``), held weakly
+_TOLD_COMPILED: weakref.WeakSet = weakref.WeakSet()
+
 #: user class -> its unit subclass (per process, held weakly, as the wired classes are)
 _UNIT_CLASSES: weakref.WeakValueDictionary[type, type] = weakref.WeakValueDictionary()
 
@@ -367,7 +370,17 @@ def _compile_body(forward):
     wrapper, gathers included, as before."""
 
     def compile(self: nn.Module, *args, **kwargs) -> None:
-        self.__dict__[ATTR].unit.compiled = torch.compile(forward, *args, **kwargs)
+        unit = self.__dict__[ATTR].unit
+        unit.compiled = torch.compile(forward, *args, **kwargs)
+        root = unit.states[0].root if unit.states else None
+        if root is not None and root not in _TOLD_COMPILED:  # one line per model
+            _TOLD_COMPILED.add(root)
+            logger.info(
+                "fczero: %s compiles on its own, its gathers and reduce-scatters eager around "
+                "it (prefetched, bucketed); fczero's graph passes, activation offload and "
+                "memory_budget's prefetch plan act on whole-model compiles only.",
+                type(self).__name__,
+            )
 
     compile.__doc__ = (
         "Compile this block's forward (``torch.compile`` options); fczero's gathers stay "

@@ -97,3 +97,12 @@ def test_a_block_compiled_before_parallelize_is_told_to_compile_after(fake_pg, c
     assert len(said) == 1, said  # one line for all four blocks
     assert "4 unit(s)" in said[0] and "layers.0" in said[0] and "after parallelize" in said[0]
     _step(model, 2, 8)  # and it still trains, its gathers traced into its graph
+
+
+def test_compiling_blocks_says_once_what_does_not_apply(fake_pg, caplog):
+    model = _parallel_llama()
+    with caplog.at_level(logging.INFO, logger="fczero"):
+        for block in model.layers:
+            block.compile(backend="eager")
+    said = [r.getMessage() for r in caplog.records if "compiles on its own" in r.getMessage()]
+    assert len(said) == 1 and "graph passes" in said[0], said
