@@ -145,10 +145,6 @@ class RootState:
         self.forwards: list[tuple[Any, bool, bool]] = []
         # the unit gathered again for a recompute in backward (``fczero.runtime.units``)
         self.recomputing: Any = None
-        # the unit whose eager forward began last, and the regather issued ahead for the
-        # next recompute in backward, (unit, bucket) ([Note: regathers for a recompute])
-        self.last_unit: Any = None
-        self.recompute_ahead: Any = None
 
     @property
     def in_forward(self) -> bool:

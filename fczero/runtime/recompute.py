@@ -29,13 +29,20 @@ forward ran) the unit gathers param by param, as its forward did.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from fczero.core.state import ParamState
+from fczero.core.state import ParamState, RootState
 from fczero.runtime import eager_buckets
+
+#: root -> (a weak reference to the unit, its regather issued ahead), while backward runs
+#: ([Note: regathers for a recompute]); per root, so two models never meet
+_AHEAD: weakref.WeakKeyDictionary[RootState, tuple[weakref.ref, eager_buckets.Bucket]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def in_backward() -> bool:
@@ -50,18 +57,26 @@ def regather(unit: Any) -> list[torch.Tensor] | None:
     if not _bucketable(unit.states) or _get_current_dispatch_mode_stack():
         return None
     root = unit.states[0].root
-    ahead = root.recompute_ahead
-    if ahead is not None and ahead[0] is unit:
-        bucket, root.recompute_ahead = ahead[1], None
+    ahead = _AHEAD.pop(root, None)
+    if ahead is not None and ahead[0]() is unit:
+        bucket = ahead[1]
     else:
+        if ahead is not None:
+            ahead[1].settle()  # (issued for a unit backward did not recompute next)
         bucket = _issue(unit.states)
-    before = unit.previous
+    before = unit.previous() if unit.previous is not None else None
     if before is not None and before.cls is unit.cls and _bucketable(before.states):
-        root.recompute_ahead = (before, _issue(before.states))
+        _AHEAD[root] = (unit.previous, _issue(before.states))
         torch.autograd.Variable._execution_engine.queue_callback(
-            functools.partial(_drop_ahead, root)
+            functools.partial(_drop, root)
         )
     return [bucket.member(k) for k in range(len(unit.states))]
+
+
+def ahead_of(root: RootState) -> eager_buckets.Bucket | None:
+    """The regather issued ahead for ``root``'s next recompute, if one is in flight."""
+    ahead = _AHEAD.get(root)
+    return ahead[1] if ahead is not None else None
 
 
 def _bucketable(states: list[ParamState]) -> bool:
@@ -75,6 +90,9 @@ def _issue(states: list[ParamState]) -> eager_buckets.Bucket:
     return eager_buckets.gather_bucket([(s.spec, s.differentiated(s.param)) for s in states])
 
 
-def _drop_ahead(root) -> None:
-    """Backward ended: a prefetched regather nothing asked for is let go."""
-    root.recompute_ahead = None
+def _drop(root: RootState) -> None:
+    """Backward ended: a regather issued ahead that nothing asked for is waited (a
+    collective is always waited) and let go."""
+    ahead = _AHEAD.pop(root, None)
+    if ahead is not None:
+        ahead[1].settle()

@@ -93,9 +93,9 @@ class Unit:
     shared: bool = False  # its class has other units in the model (REUSE_BLOCKS compiles it once)
     compiled: Callable | None = None  # its forward, compiled by ``module.compile()``
     cls: type | None = None  # its module's class
-    # the unit whose forward began just before this one's in the last eager forward
-    # (backward prefetches its regather: [Note: regathers for a recompute])
-    previous: Unit | None = None
+    # the unit whose forward began just before this one's in the last eager forward, held
+    # weakly (backward prefetches its regather: [Note: regathers for a recompute])
+    previous: weakref.ref[Unit] | None = None
 
     def gather_for_recompute(self, state: ParamState) -> torch.Tensor:
         """Backward recomputes a checkpointed region that runs inside this unit's forward
@@ -246,6 +246,9 @@ def _summary(paths: list[str], limit: int = 4) -> str:
     shown = ", ".join(paths[:limit])
     return shown if len(paths) <= limit else f"{shown}, ... {len(paths) - limit} more"
 
+
+#: root -> the unit whose eager forward began last (weakly): each unit's ``previous``
+_LAST_ENTERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 #: roots whose blocks were told they compile on their own (``_compile_body``), held weakly
 _TOLD_COMPILED: weakref.WeakSet = weakref.WeakSet()
@@ -433,7 +436,7 @@ def _enter(unit: Unit) -> None:
         fulls = recompute.regather(unit) or [unsharded_param(s, s.param, False) for s in unit.states]
     else:
         root = unit.states[0].root
-        unit.previous, root.last_unit = root.last_unit, unit
+        unit.previous, _LAST_ENTERED[root] = _LAST_ENTERED.get(root), weakref.ref(unit)
         fulls = together([unsharded_param(s, s.param, False) for s in unit.states])
         context = root.context
         if context is not None and context.scope is not None:

@@ -67,7 +67,7 @@ def test_each_recomputed_block_regathers_as_one_bucket_issued_a_block_ahead(fake
     head, norm = model.output.weight.numel() // 2, model.norm.weight.numel() // 2
     assert _named(model, events) == [("gather", head), ("gather", norm), *BLOCKS_IN_BACKWARD]
     root = model.layers[0]._fczero.unit.states[0].root
-    assert root.recompute_ahead is None  # nothing prefetched outlives backward
+    assert recompute.ahead_of(root) is None  # nothing prefetched outlives backward
 
 
 def test_by_default_the_head_stays_gathered_and_the_blocks_regather_ahead(fake_pg, monkeypatch):
