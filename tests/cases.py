@@ -24,6 +24,7 @@ from tests.models import (
     ThreeBlocks,
     UnevenTiedMLP,
     block_batches,
+    frozen_gqa,
     mlp_batches,
     tiny_gqa,
     tiny_llama,
@@ -59,7 +60,8 @@ def _short(value: object) -> str:
 class Case:
     model: str  # "mlp", "llama", "blocks", "breaks" (graph breaks in forward), "moe-loop" or
     # "moe-packed" (experts idle on one rank: tests/models/moe.py; safe with units only),
-    # "gqa-full" or "gqa-selective" (grouped-query, tied, every block checkpointed)
+    # "gqa-full" or "gqa-selective" (grouped-query, tied, every block checkpointed),
+    # "gqa-frozen" (gqa-full with some params of every block frozen)
     optimizer: str = "sgd"
     backend: str | None = None  # None: eager; else a torch.compile backend
     options: tuple[tuple[str, object], ...] = ()
@@ -82,6 +84,8 @@ class Case:
             return loop_moe, moe_batches(), parity.cross_entropy
         if self.model == "moe-packed":
             return packed_moe, moe_batches(), parity.cross_entropy
+        if self.model == "gqa-frozen":  # checkpointed blocks with some params frozen
+            return frozen_gqa, token_batches(), parity.cross_entropy
         if self.model.startswith("gqa-"):  # gqa-full, gqa-selective: checkpointed blocks
             build = functools.partial(tiny_gqa, self.model.removeprefix("gqa-"))
             return build, token_batches(), parity.cross_entropy

@@ -35,6 +35,14 @@ Over one rank nothing is communicated ([Note: a bucket of one rank]): each membe
 shard, cast, copied once, and in backward each grad is cast once to the reduce dtype, into
 storage of its own (no flat buffer to lay out and split again).
 
+[Note: frozen members of a bucket]
+The bucket's node outputs require grad as soon as one member's param does, so a frozen
+param in a bucket with trainable ones would come out requiring grad, where its own gather
+gives a tensor that does not. Autograd would then compute its grad for nothing, and a
+checkpointed block would save other tensors in forward than in its recompute, whichever
+of the two gathers the other ran (torch raises ``CheckpointError``). A frozen member is
+handed out detached.
+
 One wait, one copy-in, one copy-out and one grad layout per bucket: the number of
 kernels and Python calls per step follows the buckets, not the params. Autograd runs
 the bucket node's backward once the grads of all its outputs are in, so the
@@ -239,6 +247,9 @@ class Bucket:
         self._params: list[torch.Tensor] | None = (
             [p for _, p in members] if differentiable else None
         )
+        # members whose params are frozen: handed out detached, as their own gather would
+        # be ([Note: frozen members of a bucket])
+        self._frozen = [not p.requires_grad for _, p in members] if differentiable else None
         self.dtype = self.spec0.param_dtype or members[0][1].dtype
         self._gathered: torch.Tensor | None = None
         self._shards: list[torch.Tensor] | None = None
@@ -269,6 +280,8 @@ class Bucket:
         full, self._members[k] = self._members[k], None
         if full is None:
             raise RuntimeError(f"fczero: bucket member {k} was handed out twice (an internal error)")
+        if self._frozen is not None and self._frozen[k]:
+            return full.detach()
         return full
 
     def settle(self) -> torch.Tensor | None:

@@ -45,6 +45,10 @@ CASES = {
         Case("llama", backend="blocks:aot_eager", options=(("comm_policy", REGATHER),)),
         Case("gqa-full", "adamw", backend="blocks:aot_eager"),
         Case("moe-loop", "adamw", backend="blocks:aot_eager"),
+        # frozen params among trainable ones in checkpointed blocks, every way of running
+        Case("gqa-frozen", "adamw"),
+        Case("gqa-frozen", "adamw", backend="aot_eager"),
+        Case("gqa-frozen", "adamw", backend="blocks:aot_eager"),
     ],
     4: [
         Case("mlp"),

@@ -77,6 +77,16 @@ def tiny_gqa(checkpointing: str = "full") -> Llama:
     ))  # fmt: skip
 
 
+def frozen_gqa() -> Llama:
+    """``tiny_gqa("full")`` with some params frozen in every block (the queries and the
+    feed-forward norm), as a partly fine-tuned model has them."""
+    model = tiny_gqa("full")
+    for name, param in model.named_parameters():
+        if ".attn.wq." in name or ".mlp_norm." in name:
+            param.requires_grad_(False)
+    return model
+
+
 def mlp_batches(steps: int = 5, batch: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Regression onto a fixed smooth function of the input, so the loss can fall."""
     g = torch.Generator().manual_seed(1)
