@@ -76,9 +76,14 @@ _allow_side_effects = getattr(
     lambda fn, *args: fn(*args),
 )
 
-#: A module path that ends in its first numeric component: a child of an outermost
-#: indexed container (``layers.3``, ``model.layers.0``; not ``layers.3.experts.1``).
-_OUTERMOST_INDEXED = re.compile(r"^[^0-9]*?(?:^|\.)\d+$")
+def _outermost_indexed(path: str) -> bool:
+    """Whether ``path`` ends in its first numeric component: a child of an outermost
+    indexed container (``layers.3``, ``model.layers.0``, ``t5.encoder.block.1``,
+    ``layer1.0``; not ``layers.3.experts.1``). A component is numeric when all of it is
+    digits: ``t5`` and ``layer1`` are names."""
+    parts = path.split(".")
+    return parts[-1].isdigit() and not any(part.isdigit() for part in parts[:-1])
+
 
 UnitSpec = str | Sequence[nn.Module | type] | None
 
@@ -141,7 +146,7 @@ def auto_unit_paths(model: nn.Module) -> list[str]:
     blocks = [
         path
         for path, module in model.named_modules()
-        if path and _OUTERMOST_INDEXED.match(path) and any(True for _ in module.parameters())
+        if path and _outermost_indexed(path) and any(True for _ in module.parameters())
     ]
     return _with_owners_outside(model, blocks)
 

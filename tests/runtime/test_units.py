@@ -62,6 +62,18 @@ def test_named_units_are_found_by_module_or_class():
                      *[f"layers.1.moe.experts.{e}" for e in range(4)], "head"]  # fmt: skip
 
 
+def test_auto_units_read_digits_in_names_as_names():
+    """``layer1.0`` (ResNet's naming) and ``t5.encoder.block.1`` are blocks: a component is
+    an index only when all of it is digits."""
+    def block() -> nn.Module:  # owns no param itself: its linears do
+        return nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+
+    model = nn.Sequential()
+    model.add_module("t5", nn.ModuleDict({"layer1": nn.Sequential(block(), block())}))
+    model.add_module("fc2", nn.Linear(2, 2))
+    assert auto_unit_paths(model) == ["t5.layer1.0", "t5.layer1.1", "fc2"]
+
+
 @pytest.mark.parametrize(
     "units, error, says",
     [
