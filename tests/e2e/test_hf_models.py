@@ -1,0 +1,104 @@
+"""Hugging Face models fczero was not tuned on (random weights from small configs, no
+download), on 2 gloo ranks, eagerly, compiled whole and with each block compiled, against
+a single-process reference:
+
+- an encoder-decoder, ``T5ForConditionalGeneration``: one embedding tied to both stacks'
+  inputs and to the head; the first block of each stack owns the relative attention bias
+  the others reuse; module names that hold digits (``t5``), which ``units="auto"`` must
+  read as names, not indices;
+- a mixture of experts, ``MixtralForCausalLM``: its sparse block loops only over the
+  experts that got tokens, each reading its slice of one 3-d param per projection
+  (transformers 5 stores the experts so), so the experts a rank skips change its grads,
+  not its collectives. (fczero's own models with one module per expert, whose collectives
+  would change: tests/runtime/test_units.py.)
+
+Skipped when ``transformers`` is not installed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch.nn as nn
+
+from fczero.runtime.units import auto_unit_paths
+from fczero.testing import parity
+from fczero.testing.distributed import run_on_ranks
+from tests.cases import compile_blocks
+from tests.models import token_batches
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (a test extra: pip install -e .[test])"
+)
+
+FP32 = {"rtol": 1e-5, "atol": 1e-6}
+MODES = ("eager", "whole", "blocks")
+
+
+class T5(nn.Module):
+    """``T5ForConditionalGeneration`` returning logits; the tokens feed both stacks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = transformers.T5Config(
+            vocab_size=64, d_model=32, d_kv=8, d_ff=40, num_layers=2, num_decoder_layers=2,
+            num_heads=4, dropout_rate=0.0, tie_word_embeddings=True,
+            decoder_start_token_id=0, pad_token_id=0,
+        )  # fmt: skip
+        self.t5 = transformers.T5ForConditionalGeneration(config)
+
+    def forward(self, tokens):
+        return self.t5(input_ids=tokens, decoder_input_ids=tokens, use_cache=False).logits
+
+
+class Mixtral(nn.Module):
+    """``MixtralForCausalLM`` returning logits: 8 experts, one per token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = transformers.MixtralConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+            num_experts_per_tok=1, max_position_embeddings=64,
+        )  # fmt: skip
+        self.lm = transformers.MixtralForCausalLM(config)
+
+    def forward(self, tokens):
+        return self.lm(input_ids=tokens, use_cache=False).logits
+
+
+#: name -> the model; SGD: AdamW's step turns the router's rounding-level grad differences
+#: (about 1e-9) into param differences above the fp32 tolerance
+MODELS = {"t5": T5, "mixtral": Mixtral}
+
+
+def _train(rank: int, world: int) -> dict[tuple[str, str], parity.Trace]:
+    out = {}
+    for name, build in MODELS.items():
+        for mode in MODES:
+            blocks = functools.partial(compile_blocks, backend="aot_eager")
+            out[name, mode] = parity.train_parallel(
+                rank, world, build, token_batches(steps=3), parity.cross_entropy,
+                finish=blocks if mode == "blocks" else None,
+                compile_backend="aot_eager" if mode == "whole" else None,
+            )  # fmt: skip
+    return out
+
+
+def test_the_blocks_of_both_stacks_are_units():
+    units = auto_unit_paths(T5())
+    blocks = [u for u in units if ".block." in u]
+    assert blocks == [f"t5.{stack}.block.{i}" for stack in ("encoder", "decoder") for i in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def traces():
+    return run_on_ranks(_train, 2)[0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_trains_like_one_process(traces, name, mode):
+    expected = parity.train_reference(MODELS[name], token_batches(steps=3), parity.cross_entropy)
+    parity.assert_close(traces[name, mode], expected, **FP32)
