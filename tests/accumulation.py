@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import fczero
 from fczero.testing import parity
 from fczero.testing.backends import BACKENDS
+from tests.cases import BLOCKS
 from tests.models import UnevenTiedMLP, mlp_batches, tiny_llama, token_batches
 
 
@@ -38,8 +39,9 @@ def train_accumulating(
     is turned off: "context" (fczero.no_sync around forward and backward), "flag"
     (set_requires_gradient_sync) or "late" (only the forwards inside no_sync; their
     backwards run after the block). Returns the trace and the compiled-frame count
-    after each step (constant after the first step: no recompiles). ``options`` go to
-    ``fczero.parallelize``."""
+    after each step (constant after the first step: no recompiles). ``backend``
+    ``blocks:<backend>`` compiles each block on its own instead of the whole model.
+    ``options`` go to ``fczero.parallelize``."""
     build, batches, criterion = accumulation_setup(model_name)
     torch.manual_seed(0)
     model = build()
@@ -49,7 +51,12 @@ def train_accumulating(
     device = next(model.parameters()).device
     counter = None
     step_fn = model
-    if backend is not None:
+    if backend is not None and backend.startswith(BLOCKS):  # each block compiled on its own
+        name = backend[len(BLOCKS) :]
+        counter = CompileCounterWithBackend(BACKENDS.get(name, name))
+        for block in model.layers:
+            block.compile(backend=counter)
+    elif backend is not None:
         counter = CompileCounterWithBackend(BACKENDS.get(backend, backend))
         step_fn = torch.compile(model, backend=counter)
     opt = parity.make_optimizer("sgd", model.parameters(), 0.05)

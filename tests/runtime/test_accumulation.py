@@ -34,6 +34,7 @@ CASES = [
     ("mlp", 1, "aot_eager", 2, "context"),
     ("mlp", 2, "aot_eager", 2, "late"),
     ("mlp", 3, "aot_eager_with_passes", 4, "flag"),
+    ("llama", 3, "blocks:aot_eager", 2, "context"),  # each block compiled on its own
 ]
 
 
