@@ -45,6 +45,8 @@ CASES = {
         Case("llama", backend="blocks:aot_eager", options=(("comm_policy", REGATHER),)),
         Case("gqa-full", "adamw", backend="blocks:aot_eager"),
         Case("moe-loop", "adamw", backend="blocks:aot_eager"),
+        Case("llama", "adamw", backend="blocks:aot_eager", options=(("stage", 2),)),
+        Case("llama", backend="blocks:aot_eager", options=(("reshard_after_forward", False),)),
         # frozen params among trainable ones in checkpointed blocks, every way of running
         Case("gqa-frozen", "adamw"),
         Case("gqa-frozen", "adamw", backend="aot_eager"),
