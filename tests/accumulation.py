@@ -1,10 +1,13 @@
 """Gradient accumulation on one rank, as the tests share it: ``train_accumulating`` trains
-a model (the uneven MLP or the tiny Llama, picked by ``accumulation_setup``) on K
+a model (the uneven MLP, the tiny Llama or the checkpointed GQA Llama, picked by
+``accumulation_setup``) on K
 micro-batches a step under fczero, turning gradient sync off in one of three ways, and
 returns its trace for the single-process reference to check. tests/runtime/test_accumulation.py
 runs it on gloo and NCCL ranks, tests/core/test_unsharding.py with params kept unsharded."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -15,12 +18,14 @@ import fczero
 from fczero.testing import parity
 from fczero.testing.backends import BACKENDS
 from tests.cases import BLOCKS
-from tests.models import UnevenTiedMLP, mlp_batches, tiny_llama, token_batches
+from tests.models import UnevenTiedMLP, mlp_batches, tiny_gqa, tiny_llama, token_batches
 
 
 def accumulation_setup(model: str):
     if model == "mlp":
         return UnevenTiedMLP, mlp_batches(steps=3), parity.mse
+    if model == "gqa":  # tied, every block checkpointed
+        return functools.partial(tiny_gqa, "full"), token_batches(steps=3), parity.cross_entropy
     return tiny_llama, token_batches(steps=3), parity.cross_entropy
 
 

@@ -74,9 +74,10 @@ class _WholeParam(torch.autograd.Function):
         ctx.route = route
         ctx.reducer = reducer
         ctx.accumulate = acc is not None
-        ctx.has_pending = pending is not None
-        if pending is not None:
-            ctx.save_for_backward(pending)
+        # an attribute, not a saved tensor: activation checkpointing counts the tensors a
+        # region saves, and its recompute in backward, after ``pending`` was consumed, reads
+        # the param without it (CheckpointError: "a different number of tensors")
+        ctx.pending = pending
         return whole.view_as(whole)
 
     @staticmethod
@@ -85,8 +86,8 @@ class _WholeParam(torch.autograd.Function):
         grad = grad.to(route.reduce_dtype)
         if ctx.accumulate:
             return None, None, grad, None, None, None
-        if ctx.has_pending:
-            grad = grad + ctx.saved_tensors[0]
+        if ctx.pending is not None:
+            grad = grad + ctx.pending
         if ctx.reducer is not None:
             ctx.reducer.ready(route.index, grad)
             return None, None, None, None, None, None  # the Reducer writes the sharded .grad

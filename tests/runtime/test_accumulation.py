@@ -35,6 +35,9 @@ CASES = [
     ("mlp", 2, "aot_eager", 2, "late"),
     ("mlp", 3, "aot_eager_with_passes", 4, "flag"),
     ("llama", 3, "blocks:aot_eager", 2, "context"),  # each block compiled on its own
+    # checkpointed blocks: the synced micro-batch's recompute reads no accumulated grad
+    ("gqa", 3, None, 2, "context"),
+    ("gqa", 3, "blocks:aot_eager", 2, "flag"),
 ]
 
 
