@@ -38,6 +38,7 @@ CASES = [
     # checkpointed blocks: the synced micro-batch's recompute reads no accumulated grad
     ("gqa", 3, None, 2, "context"),
     ("gqa", 3, "blocks:aot_eager", 2, "flag"),
+    ("gqa", 3, "aot_eager_with_passes", 2, "context"),
 ]
 
 
