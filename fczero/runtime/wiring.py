@@ -131,7 +131,7 @@ def _gather_without_grad(state: ParamState, param: torch.Tensor, compiling: bool
         return checkpoint(
             spec.gather, local, use_reentrant=False, context_fn=recompute_everything
         )
-    full = spec.gather(local)
+    full = collectives.settle(spec.gather(local))  # (a view of it would never wait)
     context = state.root.context
     if context is not None:
         context.register(full, spec, param)  # saved views regather in backward
@@ -152,5 +152,7 @@ def _reuse_or_gather(
     if state.reused is not None and (compiling or state.reused_version == version):
         return state.reused
     full = state.spec.gather(local)
+    if not compiling:
+        full = collectives.settle(full)  # (a view of it would never wait)
     state.reused, state.reused_version = full, version
     return full

@@ -19,7 +19,7 @@ from fczero.testing.distributed import gpu_world_size, run_on_ranks
 from fczero.testing.graphs import collective_sequence
 from tests.accumulation import accumulation_setup, train_accumulating
 from tests.cases import REGATHER
-from tests.models import TwoLayer
+from tests.models import TwoLayer, tiny_llama
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 REDUCES = ("reduce_scatter_tensor", "all_reduce")
@@ -197,3 +197,23 @@ def test_bad_targets_and_values(fake_pg):
     assert fczero.runtime.stages.root_state(model).sync is False
     with pytest.raises(ValueError, match="root module"), fczero.no_sync(TwoLayer()):
         pass
+
+
+@pytest.mark.parametrize("keep", [0, None], ids=["regathered", "kept"])
+def test_eager_accumulation_waits_for_every_gather(fake_pg, keep):
+    """Every eager gather a module gets is waited (``collectives.settle``): a read through
+    the accumulation path computed with a view of the gather, which never waited for it,
+    so each micro-batch left its gathers in torch's registry of unwaited collectives (over
+    NCCL: nothing ordered the compute after the gather, and their buffers stayed held)."""
+    from torch._C._distributed_c10d import _get_work_registry_size
+
+    kept = {} if keep is None else {"keep_unsharded": keep}
+    policy = fczero.CommPolicy(prefetch=0, **kept)
+    model = fczero.parallelize(tiny_llama(), init_device_mesh("cpu", (2,)), comm_policy=policy)
+    tokens = torch.randint(0, 64, (2, 8))
+    before = _get_work_registry_size()
+    for _ in range(2):
+        with fczero.no_sync(model):
+            model(tokens).float().sum().backward()
+        model(tokens).float().sum().backward()
+    assert _get_work_registry_size() == before
