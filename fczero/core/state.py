@@ -145,6 +145,9 @@ class RootState:
         self.forwards: list[tuple[Any, bool, bool]] = []
         # the unit gathered again for a recompute in backward (``fczero.runtime.units``)
         self.recomputing: Any = None
+        # the unit whose eager forward began last, held weakly: the next unit's
+        # ``previous`` ([Note: regathers for a recompute] in ``fczero.runtime.recompute``)
+        self.last_unit: weakref.ref | None = None
 
     @property
     def in_forward(self) -> bool:

@@ -38,8 +38,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from fczero.core.state import ParamState, RootState
 from fczero.runtime import eager_buckets
 
-#: root -> (a weak reference to the unit, its regather issued ahead), while backward runs
-#: ([Note: regathers for a recompute]); per root, so two models never meet
+#: root -> (a weak reference to the unit, its regather issued ahead), only while a
+#: backward runs ([Note: regathers for a recompute]): empty again when it ends, so no step
+#: leaves anything here, and per root, so two models never meet
 _AHEAD: weakref.WeakKeyDictionary[RootState, tuple[weakref.ref, eager_buckets.Bucket]] = (
     weakref.WeakKeyDictionary()
 )

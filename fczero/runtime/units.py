@@ -252,9 +252,6 @@ def _summary(paths: list[str], limit: int = 4) -> str:
     return shown if len(paths) <= limit else f"{shown}, ... {len(paths) - limit} more"
 
 
-#: root -> the unit whose eager forward began last (weakly): each unit's ``previous``
-_LAST_ENTERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
 #: roots whose blocks were told they compile on their own (``_compile_body``), held weakly
 _TOLD_COMPILED: weakref.WeakSet = weakref.WeakSet()
 
@@ -441,7 +438,7 @@ def _enter(unit: Unit) -> None:
         fulls = recompute.regather(unit) or [unsharded_param(s, s.param, False) for s in unit.states]
     else:
         root = unit.states[0].root
-        unit.previous, _LAST_ENTERED[root] = _LAST_ENTERED.get(root), weakref.ref(unit)
+        unit.previous, root.last_unit = root.last_unit, weakref.ref(unit)
         fulls = together([unsharded_param(s, s.param, False) for s in unit.states])
         context = root.context
         if context is not None and context.scope is not None:
