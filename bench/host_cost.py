@@ -59,11 +59,11 @@ ARMS = (
     "plain-eager", "plain-compiled", "fczero-eager", "fczero-compiled", "fsdp2-eager",
     "fczero-eager-per-read", "plain-blocks", "fczero-blocks", "fsdp2-blocks",
 )  # fmt: skip
-"""``fczero-eager-per-read``: ``units=None`` (each read gathers), against plain eager;
-``X-blocks``: each block compiled on its own (``block.compile()``), the rest eager."""
 """Every arm, in the order they run; ``fczero-X`` and ``fsdp2-X`` are compared with
 ``plain-X``. ``fsdp2-eager`` (FSDP2's ``fully_shard`` on each block and the root) is not in
-the default sweep: ``--arms`` names it."""
+the default sweep: ``--arms`` names it. ``fczero-eager-per-read``: ``units=None`` (each read
+gathers), against plain eager; ``X-blocks``: each block compiled on its own
+(``block.compile()``), the rest eager."""
 
 DEFAULT_ARMS = ARMS[:4]
 

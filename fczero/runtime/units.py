@@ -252,9 +252,6 @@ def _summary(paths: list[str], limit: int = 4) -> str:
     return shown if len(paths) <= limit else f"{shown}, ... {len(paths) - limit} more"
 
 
-#: roots whose blocks were told they compile on their own (``_compile_body``), held weakly
-_TOLD_COMPILED: weakref.WeakSet = weakref.WeakSet()
-
 #: user class -> its unit subclass (per process, held weakly, as the wired classes are)
 _UNIT_CLASSES: weakref.WeakValueDictionary[type, type] = weakref.WeakValueDictionary()
 
@@ -376,10 +373,12 @@ def _compile_body(forward):
 
     def compile(self: nn.Module, *args, **kwargs) -> None:
         unit = self.__dict__[ATTR].unit
-        unit.compiled = torch.compile(forward, *args, **kwargs)
         root = unit.states[0].root if unit.states else None
-        if root is not None and root not in _TOLD_COMPILED:  # one line per model
-            _TOLD_COMPILED.add(root)
+        first = root is not None and not any(
+            s.unit is not None and s.unit.compiled is not None for s in root.params
+        )
+        unit.compiled = torch.compile(forward, *args, **kwargs)
+        if first:  # one line per model: its first unit compiled on its own
             logger.info(
                 "fczero: %s compiles on its own, its gathers and reduce-scatters eager around "
                 "it (prefetched, bucketed); fczero's graph passes, activation offload and "
