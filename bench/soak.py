@@ -1,12 +1,15 @@
-"""Soak: thousands of compiled fczero steps; does memory creep, does anything recompile?
+"""Soak: thousands of steps of one arm; does memory creep, does anything recompile?
 
     torchrun --standalone --nproc-per-node 2 -m bench.soak --out out/soak   # 2 GPUs, regime M
+    torchrun --standalone --nproc-per-node 4 -m bench.soak --arm fsdp2-compiled --out out/soak-fsdp2
+    torchrun --standalone --nproc-per-node 4 -m bench.soak --arm fczero-cudagraphs \
+        --compare-losses out/soak-fsdp2/soak.json --out out/soak-cg  # losses against FSDP2's run
     python -m bench.soak --smoke --out out/soak-smoke                       # CPU, gloo, tiny model
 
 One process per GPU (NCCL), or per CPU rank with ``--smoke`` / ``--cpu`` (gloo). The
-model is the benchmark's Llama (bench/arms.py: bf16 params, fp32 reduce, AdamW), sharded
-by ``fczero.parallelize`` and wrapped in one ``torch.compile``. Steps ``1..warmup`` compile
-and settle; then, in windows of ``--window`` steps up to ``--steps``:
+model is the benchmark's Llama; the arm is one of bench/arms.py's (``--arm``, default
+``fczero-compiled``: bf16 params, fp32 reduce, AdamW, one ``torch.compile``). Steps
+``1..warmup`` compile and settle; then, in windows of ``--window`` steps up to ``--steps``:
 
 - throughput: wall time of the window (synchronized at both ends), tokens/s per GPU;
 - peak memory: ``torch.cuda.max_memory_allocated``, reset at the start of each window, so
@@ -16,7 +19,11 @@ and settle; then, in windows of ``--window`` steps up to ``--steps``:
 
 Every rank's numbers are gathered on rank 0, which writes ``soak.json`` in ``--out``.
 The run fails (exit code 1) if anything recompiled after warm-up, a loss is not finite,
-or the peak of the last window exceeds the first one's by more than ``--mem-tolerance``.
+the peak of the last window exceeds the first one's by more than ``--mem-tolerance``, a
+window's throughput strays from the windows' median by more than ``--throughput-tolerance``,
+or, with ``--compare-losses`` (another run's soak.json, same steps and data), a window's
+loss differs from that run's by more than the benchmark's tolerance (``--loss-rtol`` x
+max(|theirs|, 1), as bench.report compares arms).
 """
 
 from __future__ import annotations
@@ -34,8 +41,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench.arms import ArmContext, LossModule, adamw, build_model, train_step
+from bench.arms import ARMS, ArmContext
 from bench.metrics import GIB, reset_memory, synchronize
+from bench.report import DEFAULT_LOSS_RTOL
 from bench.run import REGIMES, _meta, gather_json, make_batches, relaunch
 from fczero.models.llama import LlamaConfig
 
@@ -44,8 +52,10 @@ logger = logging.getLogger("fczero.bench")
 SMOKE: dict[str, object] = {
     "cpu": True, "dim": 64, "layers": 2, "heads": 4, "ffn": 172, "vocab": 256, "batch": 2,
     "seq": 32, "steps": 6, "warmup": 2, "window": 2, "compile_backend": "aot_eager",
+    "throughput_tolerance": float("inf"),
 }  # fmt: skip
-"""What ``--smoke`` sets where the command line leaves it unset."""
+"""What ``--smoke`` sets where the command line leaves it unset (a shared CPU's windows of two
+steps vary by tens of percent: the smoke run checks everything but their throughput)."""
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -66,10 +76,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a("--lr", type=float, default=3e-4)
     a("--seed", type=int, default=0)
     a("--data-batches", type=int, default=8, help="distinct token batches cycled (default 8)")
+    a("--arm", default="fczero-compiled", choices=sorted(ARMS),
+      help="what trains (bench/arms.py; default fczero-compiled)")  # fmt: skip
     a("--compile-backend", help="torch.compile backend (default inductor; smoke: aot_eager)")
-    a("--mode", default=None, help="torch.compile mode (default: none)")
-    a("--check-collectives", action="store_true", help="parallelize(check_policy=fczero.CheckPolicy())")
     a("--mem-tolerance", type=float, default=0.02, help="allowed peak growth, fraction (0.02)")
+    a("--throughput-tolerance", type=float,
+      help="allowed distance of a window's tokens/s from the windows' median, fraction (0.03)")  # fmt: skip
+    a("--compare-losses", type=Path,
+      help="another run's soak.json (same steps, windows and data): its losses, window by window, "
+      "are the reference")  # fmt: skip
+    a("--loss-rtol", type=float, default=DEFAULT_LOSS_RTOL,
+      help=f"loss tolerance against --compare-losses, x max(|theirs|, 1) (default {DEFAULT_LOSS_RTOL:g})")  # fmt: skip
     a("--cpu", action="store_true", default=None, help="run on CPU with gloo")
     a("--nproc", type=int, help="processes when not started by torchrun (default: GPUs, or 2)")
     a("--commit", help="commit to record (default: git rev-parse, if it works)")
@@ -79,6 +96,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     defaults: dict[str, object] = {
         "cpu": False, "dim": 2048, "layers": 16, "heads": 16, "ffn": 5632, "vocab": 32000,
         "steps": 2000, "warmup": 10, "window": 100, "compile_backend": "inductor",
+        "throughput_tolerance": 0.03,
     }  # fmt: skip
     for key, value in {**defaults, **(SMOKE if args.smoke else {})}.items():
         if getattr(args, key, None) is None:
@@ -89,7 +107,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.seq = args.seq if args.seq is not None else seq
     if args.window < 1 or args.warmup < 1 or args.steps < args.warmup + args.window:
         p.error("need --warmup >= 1, --window >= 1 and --steps >= --warmup + --window")
+    if args.compare_losses is not None:
+        if not args.compare_losses.is_file():
+            p.error(f"--compare-losses {args.compare_losses}: no such file; give a soak.json "
+                    "that an earlier run wrote")  # fmt: skip
+        theirs = [w["end_step"] for w in json.loads(args.compare_losses.read_text())["windows"]]
+        if theirs != window_ends(args):
+            p.error(f"--compare-losses: its windows end at steps {theirs}, this run's would at "
+                    f"{window_ends(args)}; give both runs the same --steps, --warmup and --window")  # fmt: skip
     return args
+
+
+def window_ends(args: argparse.Namespace) -> list[int]:
+    """The step each window ends at: multiples of ``--window`` after the warm-up, and the last."""
+    ends = list(range((args.warmup // args.window + 1) * args.window, args.steps, args.window))
+    return [*ends, args.steps] if args.steps not in ends else ends
 
 
 def _graphs_compiled() -> int:
@@ -103,14 +135,8 @@ def _peak_gib(device: torch.device) -> float | None:
 
 def soak(args: argparse.Namespace, ctx: ArmContext) -> dict:
     """Run the steps; return this rank's numbers."""
-    import fczero
-
-    mp = fczero.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    check = fczero.CheckPolicy() if args.check_collectives else None
-    root = LossModule(build_model(ctx))
-    fczero.parallelize(root, ctx.mesh, mp_policy=mp, check_policy=check)
-    opt = adamw(root.parameters(), ctx)
-    step = train_step(torch.compile(root, backend=args.compile_backend, mode=args.mode), opt)
+    arm = ARMS[args.arm].build(ctx)
+    step = arm.step
     batches = make_batches(args, ctx.cfg, args.batch, args.seq, ctx.device)
     device = ctx.device
 
@@ -128,8 +154,8 @@ def soak(args: argparse.Namespace, ctx: ArmContext) -> dict:
 
     windows = []
     done = args.warmup
-    while done < args.steps:
-        n = min(args.window - done % args.window, args.steps - done)  # end windows on multiples
+    for end in window_ends(args):
+        n = end - done
         reset_memory(device)
         t0 = time.perf_counter()
         for i in range(done + 1, done + n + 1):
@@ -145,6 +171,8 @@ def soak(args: argparse.Namespace, ctx: ArmContext) -> dict:
             "loss": float(loss),
             "graphs_compiled": _graphs_compiled(),
         })  # fmt: skip
+    if arm.close is not None:
+        arm.close()
     return {
         "first_step_s": first_step_s,
         "warmup_s": warmup_s,
@@ -155,8 +183,11 @@ def soak(args: argparse.Namespace, ctx: ArmContext) -> dict:
     }
 
 
-def summarize(args: argparse.Namespace, per_rank: list[dict]) -> dict:
-    """Every rank's windows merged: the slowest rank's time, the highest rank's peak."""
+def summarize(
+    args: argparse.Namespace, per_rank: list[dict], reference: dict | None = None
+) -> dict:
+    """Every rank's windows merged: the slowest rank's time, the highest rank's peak.
+    ``reference``: another run's soak.json, whose window losses this run's must match."""
     windows = []
     for k, first in enumerate(per_rank[0]["windows"]):
         ranks = [r["windows"][k] for r in per_rank]
@@ -184,6 +215,20 @@ def summarize(args: argparse.Namespace, per_rank: list[dict]) -> dict:
                 f"peak memory grew by {growth:.3f} GiB from step {first_full['end_step']} "
                 f"to step {last['end_step']}"
             )
+    median_tps = sorted(w["tokens_per_s_per_gpu"] for w in windows)[len(windows) // 2]
+    spread = [w["tokens_per_s_per_gpu"] / median_tps - 1 for w in windows]
+    strays = [w["end_step"] for w, d in zip(windows, spread) if abs(d) > args.throughput_tolerance]
+    if strays:
+        problems.append(
+            f"throughput more than {args.throughput_tolerance:.0%} from the median in the "
+            f"windows ending at steps {strays}"
+        )
+    losses = compare_losses(args, windows, reference) if reference is not None else None
+    if losses is not None and losses["outside"]:
+        problems.append(
+            f"losses outside {args.loss_rtol:g} x max(|ref|, 1) of {losses['against']} "
+            f"at steps {losses['outside']}"
+        )
     return {
         "status": "ok" if not problems else "failed",
         "problems": problems,
@@ -193,7 +238,24 @@ def summarize(args: argparse.Namespace, per_rank: list[dict]) -> dict:
         "recompiles_after_warmup": recompiles,
         "step_ms_median_window": sorted(w["step_ms"] for w in windows)[len(windows) // 2],
         "first_step_s": max(r["first_step_s"] for r in per_rank),
+        "throughput_spread": [min(spread), max(spread)],
+        "losses_against": losses,
         "windows": windows,
+    }
+
+
+def compare_losses(args: argparse.Namespace, windows: list[dict], reference: dict) -> dict:
+    """This run's rank-0 window losses against ``reference``'s, window by window: the largest
+    difference in units of the tolerance's scale, and the windows outside it."""
+    theirs = {w["end_step"]: w["loss"][0] for w in reference["windows"]}
+    scaled = {
+        w["end_step"]: abs(w["loss"][0] - theirs[w["end_step"]]) / max(abs(theirs[w["end_step"]]), 1.0)
+        for w in windows
+    }  # fmt: skip
+    return {
+        "against": reference.get("args", {}).get("arm", "the reference run"),
+        "max_scaled_diff": max(scaled.values()),
+        "outside": [step for step, d in scaled.items() if not d <= args.loss_rtol],
     }
 
 
@@ -223,16 +285,20 @@ def worker(args: argparse.Namespace) -> int:
     ctx = ArmContext(cfg=cfg, mesh=mesh, device=device, batch=args.batch, seq_len=args.seq,
                      seed=args.seed, lr=args.lr, compile_backend=args.compile_backend)  # fmt: skip
     if rank == 0:
-        logger.info("soak: %d steps (%d warm-up, windows of %d), %d x %d per rank, %d ranks on %s",
-                    args.steps, args.warmup, args.window, args.batch, args.seq, world, device)  # fmt: skip
+        logger.info("soak %s: %d steps (%d warm-up, windows of %d), %d x %d per rank, %d ranks on %s",
+                    args.arm, args.steps, args.warmup, args.window, args.batch, args.seq, world,
+                    device)  # fmt: skip
     started = time.perf_counter()
     mine = soak(args, ctx)
     per_rank = gather_json(mine, ctrl)
     if rank == 0:
+        reference = None
+        if args.compare_losses is not None:
+            reference = json.loads(args.compare_losses.read_text())
         result = {
             "meta": _meta(args, cfg, device, world),
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            **summarize(args, per_rank),
+            **summarize(args, per_rank, reference),
             "total_s": time.perf_counter() - started,
             "per_rank": per_rank,
         }
@@ -244,7 +310,11 @@ def worker(args: argparse.Namespace) -> int:
                         "n/a" if w["peak_mem_gib"] is None else f"{w['peak_mem_gib']:.3f} GiB",
                         w["loss"][0])  # fmt: skip
         logger.info("soak %s in %.0f s; %s", result["status"], result["total_s"],
-                    "; ".join(result["problems"]) or "no recompiles, no memory growth")  # fmt: skip
+                    "; ".join(result["problems"]) or "no recompiles, no memory growth, "
+                    "throughput within the tolerance")  # fmt: skip
+        if (losses := result["losses_against"]) is not None:
+            logger.info("losses against %s: largest difference %.4f x max(|ref|, 1)",
+                        losses["against"], losses["max_scaled_diff"])  # fmt: skip
         status = result["status"]
     else:
         status = None

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,17 +39,24 @@ def test_smoke_soak_writes_windows(tmp_path: Path) -> None:
     assert result["meta"]["model"]["dim"] == 64
 
 
-def _rank(peaks: list[float], recompiles: int = 0, loss: float = 1.0) -> dict:
+def _rank(
+    peaks: list[float], recompiles: int = 0, loss: float = 1.0, tps: list[float] | None = None
+) -> dict:
     windows = [
-        {"end_step": 100 * (i + 1), "steps": 100, "step_ms": 40.0, "tokens_per_s_per_gpu": 1e4,
-         "peak_mem_gib": p, "loss": loss}
+        {"end_step": 100 * (i + 1), "steps": 100, "step_ms": 40.0,
+         "tokens_per_s_per_gpu": 1e4 if tps is None else tps[i], "peak_mem_gib": p, "loss": loss}
         for i, p in enumerate(peaks)
     ]  # fmt: skip
     return {"first_step_s": 30.0, "recompiles_after_warmup": recompiles, "windows": windows}
 
 
+def _args(**over: object) -> argparse.Namespace:
+    fields = {"window": 100, "mem_tolerance": 0.02, "throughput_tolerance": 0.03, "loss_rtol": 2e-2}
+    return argparse.Namespace(**{**fields, **over})
+
+
 def test_summary_flags_memory_growth_recompiles_and_bad_losses() -> None:
-    args = argparse.Namespace(window=100, mem_tolerance=0.02)
+    args = _args()
     ok = soak.summarize(args, [_rank([7.6, 7.6, 7.61]), _rank([7.5, 7.5, 7.5])])
     assert ok["status"] == "ok" and ok["problems"] == []
     assert ok["peak_mem_gib_at_step_100"] == 7.6 and ok["peak_mem_gib_at_step_300"] == 7.61
@@ -73,3 +81,51 @@ def test_graph_counter_sees_a_recompile() -> None:
     assert soak._graphs_compiled() == before + 1
     fn(torch.ones(3))  # a new shape: recompiled
     assert soak._graphs_compiled() == before + 2
+
+
+def test_summary_flags_a_slow_window_on_the_slowest_rank() -> None:
+    steady = _rank([1.0] * 5)
+    slow = _rank([1.0] * 5, tps=[1e4, 1e4, 9.6e3, 1e4, 1.02e4])  # 4% under the median at 300
+    result = soak.summarize(_args(), [steady, slow])
+    assert result["problems"] == [
+        "throughput more than 3% from the median in the windows ending at steps [300]"
+    ]
+    # each window counts its slowest rank: rank 0 holds step 500 to 1e4
+    assert result["throughput_spread"] == pytest.approx([-0.04, 0.0])
+    assert soak.summarize(_args(throughput_tolerance=0.05), [steady, slow])["status"] == "ok"
+
+
+def test_losses_are_compared_window_by_window_with_the_reports_tolerance() -> None:
+    mine = [_rank([1.0, 1.0, 1.0]), _rank([1.0, 1.0, 1.0])]
+    for i, loss in enumerate([4.0, 2.0, 0.5]):
+        mine[0]["windows"][i]["loss"] = loss
+    ref = {"args": {"arm": "fsdp2-compiled"},
+           "windows": [{"end_step": s, "loss": [x, x]} for s, x in [(100, 4.05), (200, 2.0), (300, 0.53)]]}  # fmt: skip
+    result = soak.summarize(_args(), mine, ref)
+    # 0.05 / 4.05 = 0.012 inside 2e-2; 0.03 / max(0.53, 1) = 0.03 outside
+    assert result["losses_against"]["outside"] == [300]
+    assert result["losses_against"]["max_scaled_diff"] == pytest.approx(0.03)
+    assert result["problems"] == [
+        "losses outside 0.02 x max(|ref|, 1) of fsdp2-compiled at steps [300]"
+    ]
+    assert soak.summarize(_args(loss_rtol=0.05), mine, ref)["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    ("steps", "warmup", "window", "ends"),
+    [(2000, 10, 100, [100 * k for k in range(1, 21)]), (7, 2, 2, [4, 6, 7]), (250, 100, 100, [200, 250])],
+)  # fmt: skip
+def test_windows_end_on_multiples_of_the_window_after_warmup(steps, warmup, window, ends) -> None:
+    args = argparse.Namespace(steps=steps, warmup=warmup, window=window)
+    assert soak.window_ends(args) == ends
+
+
+def test_a_reference_with_other_windows_is_refused_before_any_step(tmp_path: Path, capsys) -> None:
+    ref = tmp_path / "soak.json"
+    ref.write_text(json.dumps({"windows": [{"end_step": 4, "loss": [1.0]}]}))
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--smoke", "--steps", "8", "--compare-losses", str(ref)])
+    assert "its windows end at steps [4], this run's would at [4, 6, 8]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--smoke", "--compare-losses", str(tmp_path / "missing.json")])
+    assert "no such file" in capsys.readouterr().err
