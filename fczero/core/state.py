@@ -148,6 +148,9 @@ class RootState:
         # the unit whose eager forward began last, held weakly: the next unit's
         # ``previous`` ([Note: regathers for a recompute] in ``fczero.runtime.recompute``)
         self.last_unit: weakref.ref | None = None
+        # a block compiled alone ran uncompiled under a selective checkpoint, and said so
+        # once (``fczero.runtime.units``)
+        self.warned_uncompiled_blocks = False
 
     @property
     def in_forward(self) -> bool:

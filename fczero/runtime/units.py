@@ -318,6 +318,8 @@ def _unit_forward(forward):
         outermost = not unit.depth
         # eager around a body compiled by ``module.compile()`` ([Note: blocks compiled alone])
         body = unit.compiled if outermost and not compiling else None
+        if body is not None and torch._C._len_torch_dispatch_stack():
+            body = _uncompiled_under_a_mode(unit)
         reuse = body is None and REUSE_BLOCKS and unit.shared and outermost and compiling
         if reuse and not _reuse_supported():
             reuse = False
@@ -333,6 +335,28 @@ def _unit_forward(forward):
             _leave(unit)
 
     return unit_forward
+
+
+def _uncompiled_under_a_mode(unit: Unit) -> None:
+    """A block compiled alone runs its plain forward while a dispatch mode is active: a
+    selective checkpoint around it (fczero's Llama with ``checkpointing="selective"``, a
+    ``context_fn`` of the user's) runs its forward and its recompute under one. On 4 x H200
+    (torch 2.11, Llama-3-8B's shape) the compiled body under that eager region saved other
+    tensors in the recompute than in forward and the checkpoint raised; on the CPU it did
+    not. The plain forward is what the region records and replays correctly. Every rank
+    runs under the same modes, so every rank takes the same path. One warning per model."""
+    root = unit.states[0].root if unit.states else None
+    if root is not None and not root.warned_uncompiled_blocks:
+        root.warned_uncompiled_blocks = True
+        logger.warning(
+            "fczero: block %r runs uncompiled inside a selective activation checkpoint (or "
+            "another dispatch mode), and so do the others like it: block.compile() does not "
+            "run under an eager selective checkpoint. Compile the whole model "
+            "(torch.compile(model)), or checkpoint the blocks fully, to keep them compiled "
+            "([Note: blocks compiled alone]).",
+            unit.path,
+        )
+    return None
 
 
 @functools.cache

@@ -106,3 +106,24 @@ def test_compiling_blocks_says_once_what_does_not_apply(fake_pg, caplog):
             block.compile(backend="eager")
     said = [r.getMessage() for r in caplog.records if "compiles on its own" in r.getMessage()]
     assert len(said) == 1 and "graph passes" in said[0], said
+
+
+def test_blocks_run_uncompiled_under_a_selective_checkpoint_and_say_so_once(fake_pg, caplog):
+    """fczero's Llama with selective checkpointing runs each block under an eager selective
+    checkpoint, in forward and in the recompute: the blocks then run their plain forward
+    (the compiled body raised a CheckpointError there on 4 x H200), with one warning; with
+    full checkpointing the compiled body runs."""
+    for mode, compiled_frames in (("selective", 0), ("full", 1)):
+        model = _parallel_llama(LlamaConfig(**{**FOUR_BLOCKS.__dict__, "checkpointing": mode}))
+        counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+        for block in model.layers:
+            block.compile(backend=counter)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fczero"):
+            for _ in range(2):
+                _step(model, 2, 8)
+        said = [r.getMessage() for r in caplog.records if "runs uncompiled" in r.getMessage()]
+        assert counter.frame_count == compiled_frames, mode
+        assert len(said) == (1 if mode == "selective" else 0), said
+        if said:
+            assert "'layers.0'" in said[0] and "torch.compile(model)" in said[0]
