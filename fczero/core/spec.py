@@ -45,7 +45,7 @@ import hashlib
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -66,13 +66,6 @@ if TYPE_CHECKING:
     from fczero.comm.meshes import ParamLayout, TensorParallelView
 
 logger = logging.getLogger("fczero")
-
-
-class EagerGatherer(Protocol):
-    """What gathers a sharded param in eager mode: its ``ParamState`` (``fczero.core.state``),
-    which goes through the eager runtime of its root's running forward."""
-
-    def gather_eagerly(self, spec: ShardSpec, param: torch.Tensor) -> torch.Tensor: ...
 
 
 #: What a gather needs, as a plain tuple of Python literals, in this order ([Note: what
@@ -172,37 +165,28 @@ class ShardSpec:
         dtype = self.param_dtype or param.dtype
         return math.prod(self.shape) * dtype.itemsize
 
-    def unshard(self, param: torch.Tensor, eager: EagerGatherer, compiling: bool) -> torch.Tensor:
-        """Sharded param (DTensor) -> unsharded param, differentiably: a plain tensor, or
-        for a tensor-parallel param the tensor-parallel DTensor (``fczero.comm.meshes``).
-        ``eager.gather_eagerly(spec, param)`` is the eager runtime's gather
-        (``fczero.runtime.prefetch``), used outside compiled graphs for params with rows (a method
-        of an argument, read only there: a compiled gather reads nothing of it).
-        ``compiling``: ``torch.compiler.is_compiling()``, as the read asked it once."""
-        if compiling:
-            traced = self.traced  # one guard for every constant (see the module docstring)
-            if traced[0]:
-                return gather_traced(local_shard(param), traced)
-        full = self._unshard_local(param, eager, compiling)
-        if self.tensor_parallel is not None:
-            return self.tensor_parallel.wrap(full)
-        return full
-
-    def _unshard_local(
-        self, param: torch.Tensor, eager: EagerGatherer, compiling: bool
-    ) -> torch.Tensor:
+    def unshard_traced(self, param: torch.Tensor) -> torch.Tensor:
+        """The gather a compiled graph traces, for any sharded param (``param`` is its leaf or
+        the DTensor): a plain tensor, or for a tensor-parallel param the tensor-parallel
+        DTensor (``fczero.comm.meshes``). Eager reads gather through the runtime instead
+        (``fczero.runtime.prefetch.gather_eagerly``)."""
+        traced = self.traced  # one guard for every constant (see the module docstring)
+        if traced[0]:
+            return gather_traced(local_shard(param), traced)
         if self.is_scalar:
-            return collectives.replicate_scalar(
-                self.on_device(local_shard(param)),
-                self.group_size,
-                self.group_name,
-                self.param_dtype,
-                self.reduce_dtype,
-                self.replicate,
-            )
-        if compiling:
-            return gather_traced(local_shard(param), self.traced)
-        return eager.gather_eagerly(self, param)
+            return self.gather_scalar(local_shard(param))
+        return self.tensor_parallel.wrap(gather_traced(local_shard(param), traced))
+
+    def gather_scalar(self, local: torch.Tensor) -> torch.Tensor:
+        """A 0-d param: its value, the same on every rank (``Replicate()``, grad all-reduced)."""
+        return collectives.replicate_scalar(
+            self.on_device(local),
+            self.group_size,
+            self.group_name,
+            self.param_dtype,
+            self.reduce_dtype,
+            self.replicate,
+        )
 
     def on_device(self, local: torch.Tensor) -> torch.Tensor:
         """The shard where the collectives run (a copy from the host under param offload;

@@ -24,11 +24,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fczero.comm import collectives
 from fczero.comm.consistency import EagerLog
 from fczero.comm.reducer import Reducer, Route
 from fczero.core.cuda_graphs import keep_first_grad_out_of_pool
-from fczero.core.spec import eager_local, sharded_grad
+from fczero.core.spec import sharded_grad
 from fczero.core.weak_ids import WeakIds
 
 if TYPE_CHECKING:
@@ -255,18 +254,6 @@ class ParamState:
             # see a cycle through it, so a strong one would keep a dropped model alive
             leaf.register_post_accumulate_grad_hook(partial(_grad_arrived, weakref.ref(self)))
         return leaf
-
-    def gather_eagerly(self, spec: ShardSpec, param: torch.Tensor) -> torch.Tensor:
-        """The eager gather (``ShardSpec.unshard`` calls it outside compiled graphs): through
-        the eager context of this param's root's running forward (its prefetch, reshard
-        scope and log: ``fczero.runtime.prefetch.EagerContext``), or alone outside one
-        (activation checkpointing's recompute in backward, a submodule called outside its
-        root's forward)."""
-        param = self.differentiated(param)
-        context = self.root.context
-        if context is not None:
-            return context.gather(spec, param)
-        return collectives.settle(spec.gather(eager_local(param)))
 
     def differentiated(self, param: torch.Tensor) -> torch.Tensor:
         """What an eager gather of sharded ``param`` differentiates: the plain leaf, as

@@ -21,8 +21,8 @@ gathers are marked in the recorded order and run in place.
 
 One forward's prefetch, reshard scope and collective log travel together in an
 ``EagerContext``, which the root's forward hooks open and close (``enter_forward``,
-``exit_forward``: [Note: the eager context of a forward]); a module's getter reaches it
-through its param's root (``ParamState.gather_eagerly``), never through this module.
+``exit_forward``: [Note: the eager context of a forward]); every eager read of a sharded
+param goes through ``gather_eagerly``, which finds it on the param's root.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.utils.checkpoint
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from fczero.comm import collectives, consistency
@@ -40,7 +41,7 @@ from fczero.runtime import eager_buckets, resharding
 
 if TYPE_CHECKING:
     from fczero.core.spec import ShardSpec
-    from fczero.core.state import RootState
+    from fczero.core.state import ParamState, RootState
 
 logger = logging.getLogger("fczero")
 
@@ -244,6 +245,24 @@ class EagerContext:
         """Saved views of ``full`` regather in backward (when this forward reshards)."""
         if self.scope is not None:
             self.scope.register(full, spec, param)
+
+
+def gather_eagerly(state: ParamState, param: torch.Tensor) -> torch.Tensor:
+    """An eager read's gather of sharded ``param`` (the module getter's, outside compiled
+    graphs): through the eager context of the param's root's running forward (its
+    prefetch, reshard scope and log), or alone outside one (activation checkpointing's
+    recompute in backward, a submodule called outside its root's forward). A plain tensor,
+    or for a tensor-parallel param the tensor-parallel DTensor (``fczero.comm.meshes``)."""
+    spec = state.spec
+    if spec.is_scalar:
+        return spec.gather_scalar(param.to_local() if isinstance(param, DTensor) else param)
+    param = state.differentiated(param)
+    context = state.root.context
+    if context is not None:
+        full = context.gather(spec, param)
+    else:
+        full = collectives.settle(spec.gather(eager_local(param)))
+    return full if spec.tensor_parallel is None else spec.tensor_parallel.wrap(full)
 
 
 def find_open() -> EagerContext | None:

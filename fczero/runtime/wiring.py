@@ -11,9 +11,10 @@ Reading the property runs ``unsharded_param`` on the param's ``ParamState``
 (``fczero.core.state``). On the plain path it reads one value of the state,
 ``ParamState.traced``, which a compiled gather takes its constants from ([Note: what a
 compiled gather reads] in ``fczero.core.spec``). The plain case (stage 3, gradient sync
-on, nothing accumulated) is ``ShardSpec.unshard``, which in eager mode gathers through the state
-(``ParamState.gather_eagerly``: the eager context of its root's running forward); a
-whole copy (stages 1/2) or an accumulating micro-batch goes through the reducer's
+on, nothing accumulated) is the traced gather when compiling (``ShardSpec.unshard_traced``)
+and, in eager mode, ``fczero.runtime.prefetch.gather_eagerly``: the eager context of the
+param's root's running forward. The getter asks ``is_compiling`` once and hands the
+answer down. A whole copy (stages 1/2) or an accumulating micro-batch goes through the reducer's
 ``whole_param`` instead, whose backward reduces or accumulates the whole grad.
 """
 
@@ -30,6 +31,7 @@ from fczero.comm import collectives
 from fczero.comm.reducer import whole_param
 from fczero.core.spec import gather_traced, local_shard, recompute_everything
 from fczero.core.state import ATTR, ParamState
+from fczero.runtime.prefetch import gather_eagerly
 
 #: (user class, param names, in units) -> its wired subclass. Per process: a generated class holds
 #: no state of a model, so every model with such a module shares it; held weakly (it
@@ -86,7 +88,7 @@ def unsharded_param(state: ParamState, param: torch.Tensor, compiling: bool) -> 
     if traced is not None:
         if compiling:
             return gather_traced(param, traced)
-        return state.spec.unshard(param, state, compiling=False)
+        return gather_eagerly(state, param)
     spec = state.spec
     grad_path = param.requires_grad and torch.is_grad_enabled()
     accumulating = grad_path and not state.sync
@@ -99,7 +101,7 @@ def unsharded_param(state: ParamState, param: torch.Tensor, compiling: bool) -> 
         # (under compile each read would be one more guard, each write a side effect)
         if spec.keep_unsharded and state.reused is not None:
             state.reused = None
-        return spec.unshard(param, state, compiling)
+        return spec.unshard_traced(param) if compiling else gather_eagerly(state, param)
     if state.whole is not None:
         if not grad_path:
             return state.whole
