@@ -11,6 +11,10 @@ a single-process reference:
   (transformers 5 stores the experts so), so the experts a rank skips change its grads,
   not its collectives. (fczero's own models with one module per expert, whose collectives
   would change: tests/runtime/test_units.py.)
+- a GPT-2, ``GPT2LMHeadModel``: ``Conv1D`` projections (weights stored transposed), learned
+  position embeddings, the head tied to the token embedding;
+- an encoder, ``BertForMaskedLM``: bidirectional attention, token-type and position
+  embeddings, the masked-LM head's decoder tied to the embedding, LayerNorm everywhere.
 
 Skipped when ``transformers`` is not installed.
 """
@@ -68,9 +72,40 @@ class Mixtral(nn.Module):
         return self.lm(input_ids=tokens, use_cache=False).logits
 
 
+class GPT2(nn.Module):
+    """``GPT2LMHeadModel`` returning logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = transformers.GPT2Config(
+            vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        self.lm = transformers.GPT2LMHeadModel(config)
+
+    def forward(self, tokens):
+        return self.lm(input_ids=tokens, use_cache=False).logits
+
+
+class Bert(nn.Module):
+    """``BertForMaskedLM`` returning logits (no mask: every position is predicted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = transformers.BertConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=64,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        self.mlm = transformers.BertForMaskedLM(config)
+
+    def forward(self, tokens):
+        return self.mlm(input_ids=tokens).logits
+
+
 #: name -> the model; SGD: AdamW's step turns the router's rounding-level grad differences
 #: (about 1e-9) into param differences above the fp32 tolerance
-MODELS = {"t5": T5, "mixtral": Mixtral}
+MODELS = {"t5": T5, "mixtral": Mixtral, "gpt2": GPT2, "bert": Bert}
 
 
 def _train(rank: int, world: int) -> dict[tuple[str, str], parity.Trace]:
@@ -90,6 +125,11 @@ def test_the_blocks_of_both_stacks_are_units():
     units = auto_unit_paths(T5())
     blocks = [u for u in units if ".block." in u]
     assert blocks == [f"t5.{stack}.block.{i}" for stack in ("encoder", "decoder") for i in (0, 1)]
+
+
+def test_gpt2_and_bert_blocks_are_units():
+    assert {"lm.transformer.h.0", "lm.transformer.h.1"} <= set(auto_unit_paths(GPT2()))
+    assert {"mlm.bert.encoder.layer.0", "mlm.bert.encoder.layer.1"} <= set(auto_unit_paths(Bert()))
 
 
 @pytest.fixture(scope="module")
