@@ -460,6 +460,17 @@ def build_fczero_symm_mem(ctx: ArmContext) -> Arm:
     return _fczero(ctx, compiled=True, inductor_options=options)
 
 
+def build_fczero_separate_reduce(ctx: ArmContext) -> Arm:
+    """fczero compiled, the reduce-scatters on a communicator of their own."""
+    return _fczero(ctx, compiled=True, comm_policy=_comm(separate_reduce_group=True))
+
+
+def build_fczero_cuda_graphs_separate_reduce(ctx: ArmContext) -> Arm:
+    return _fczero(
+        ctx, compiled=True, mode=CUDA_GRAPHS, comm_policy=_comm(separate_reduce_group=True)
+    )
+
+
 def build_fczero_passes_then_overlap(ctx: ArmContext) -> Arm:
     """fczero's passes, then Inductor's overlap scheduler (it runs after custom post-grad passes)."""
     return _fczero(ctx, compiled=True, inductor_options=_inductor_overlap_options())
@@ -826,6 +837,17 @@ ARMS: dict[str, ArmSpec] = {
             build=build_fczero_symm_mem,
         ),
         ArmSpec(
+            name="fczero-separate-reduce",
+            label="fczero compiled, reduce-scatters on their own communicator",
+            build=build_fczero_separate_reduce,
+        ),
+        ArmSpec(
+            name="fczero-cudagraphs-separate-reduce",
+            label="fczero compiled, CUDA graphs, reduce-scatters on their own communicator",
+            build=build_fczero_cuda_graphs_separate_reduce,
+            needs_cuda=True,
+        ),
+        ArmSpec(
             name="deepspeed-zero3",
             label="DeepSpeed ZeRO-3 (bf16, overlap_comm)",
             build=build_deepspeed_zero3,
@@ -885,7 +907,10 @@ ARMS: dict[str, ArmSpec] = {
 }
 """Every arm, in the order they run: the floor first (ratios), FSDP2 eager next (loss reference)."""
 
-_OVERLAP_ARMS = ["fczero-inductor-overlap", "fczero-passes+overlap", "fczero-symm-mem"]
+_OVERLAP_ARMS = [
+    "fczero-inductor-overlap", "fczero-passes+overlap", "fczero-symm-mem",
+    "fczero-separate-reduce", "fczero-cudagraphs-separate-reduce",
+]  # fmt: skip
 
 MEMORY_ARMS = [
     "fsdp2-cpuoffload",

@@ -16,7 +16,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from fczero.comm import consistency
-from fczero.comm.meshes import MeshLayout, resolve_mesh, root_group_name
+from fczero.comm.meshes import (
+    MeshLayout,
+    group_over_the_same_ranks,
+    resolve_mesh,
+    root_group_name,
+)
 from fczero.core import config, cuda_graphs, host_memory, memory, unsharding
 from fczero.core import meta_init as meta_device_init
 from fczero.core.config import Options
@@ -172,6 +177,7 @@ def parallelize(
             "fczero: OffloadPolicy.params needs stage=3 on a mesh without replicate or "
             "tensor-parallel axes; drop the offload_policy, or shard with stage=3 over one axis."
         )
+    reduce_group = _separate_reduce_group(options, dp_mesh, plain_stage3)
     params = list(model.named_parameters())  # each param once, under its first name
     names = {id(p): n for n, p in params}
     guards.check_before(model, [(names[id(p)], p) for *_, p in owners], dp_mesh)
@@ -209,9 +215,11 @@ def parallelize(
         first_owner.append((path, param, specs_by_param[id(param)][1]))
     # the name this root's collectives carry: [Note: a root's group name]
     root_name = root_group_name(dp_mesh.get_group(), model)
-    if root_name != group_name:
+    if root_name != group_name or reduce_group is not None:
         for key, (sharded, spec) in specs_by_param.items():
-            specs_by_param[key] = sharded, dataclasses.replace(spec, group_name=root_name)
+            specs_by_param[key] = sharded, dataclasses.replace(
+                spec, group_name=root_name, reduce_group=reduce_group
+            )
     selective = options.selective_unsharding
     kept = None
     if selective and not options.auto_unsharding:
@@ -255,10 +263,11 @@ def parallelize(
     _move_buffers(model, dp_mesh)
     quiet_gather_checkpoint_note()
     if options.comm.compile_passes:
-        root.passes = _pass_settings(root_name, dp_mesh, options, layout.replicate_mesh)
+        root.passes = _pass_settings(root_name, dp_mesh, options, layout.replicate_mesh, reduce_group)
         install()
         offload_partition.install(required=options.offload.activations != "off")
-    registry.register(root_name, root)  # ([Note: from a graph to its root])
+    for name in (root_name, reduce_group) if reduce_group else (root_name,):
+        registry.register(name, root)  # ([Note: from a graph to its root])
 
     guards.protect(model, params)  # ``params`` holds the replaced (old) params
     # Eager prefetch issues gathers from the order recorded on an earlier step, ahead of
@@ -370,14 +379,35 @@ def _move_buffers(model: nn.Module, mesh: DeviceMesh) -> None:
                 module._buffers[name] = buf.to(device)
 
 
+def _separate_reduce_group(options: Options, mesh: DeviceMesh, plain_stage3: bool) -> str | None:
+    """``CommPolicy(separate_reduce_group=True)``: a new process group over the ranks of
+    ``mesh``, made here on every rank alike (``new_group`` is collective), whose name the
+    reduce-scatters carry; None otherwise. Checked before anything is sharded."""
+    if not options.comm.separate_reduce_group:
+        return None
+    if not plain_stage3 or options.offload.params:
+        raise ValueError(
+            "fczero: CommPolicy(separate_reduce_group=True) applies to stage=3 over one mesh "
+            "axis, without HSDP, tensor-parallel params or OffloadPolicy(params=True); drop "
+            "it for this model, whose grads are reduced otherwise."
+        )
+    return group_over_the_same_ranks(mesh, "CommPolicy(separate_reduce_group=True)")
+
+
 def _pass_settings(
-    name: str, mesh: DeviceMesh, options: Options, replicate: DeviceMesh | None = None
+    name: str,
+    mesh: DeviceMesh,
+    options: Options,
+    replicate: DeviceMesh | None = None,
+    reduce_group: str | None = None,
 ) -> registry.PassSettings:
     """The settings of the root's compiled passes (``name``: the group name its collectives
-    carry), from its options."""
+    carry; ``reduce_group``: the one its reduce-scatters carry, where it has its own), from
+    its options."""
     budget = memory.device_budget(mesh_device(mesh), options.memory_budget)
     return registry.new_settings(
         name,
+        reduce_group=reduce_group,
         bucket_bytes=options.comm.bucket_bytes,
         prefetch=options.comm.prefetch,
         memory_budget=budget,

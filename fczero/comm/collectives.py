@@ -210,17 +210,17 @@ class _GatherShard(torch.autograd.Function):
     """All-gather in forward, reduce-scatter (averaged) in backward. See the module docstring."""
 
     @staticmethod
-    def forward(ctx, shard, group_size, group_name, param_dtype, reduce_dtype, replicate):  # type: ignore[override]
-        ctx.meta = (group_size, group_name, reduce_dtype, shard.dtype, replicate)
+    def forward(ctx, shard, group_size, group_name, param_dtype, reduce_dtype, replicate, reduce_group):  # type: ignore[override]
+        ctx.meta = (group_size, reduce_group or group_name, reduce_dtype, shard.dtype, replicate)
         full = all_gather(cast_to(shard, param_dtype), group_size, group_name)
         return full.clone() if full is shard else full  # (one rank, no cast: storage of its own)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        group_size, group_name, reduce_dtype, shard_dtype, replicate = ctx.meta
+        group_size, reduce_group, reduce_dtype, shard_dtype, replicate = ctx.meta
         grad = _average(cast_to(grad, reduce_dtype_of(grad, reduce_dtype)), group_size, replicate)
-        reduced = over_replicas(reduce_scatter_sum(grad, group_size, group_name), replicate)
-        return cast_to(reduced, shard_dtype), None, None, None, None, None
+        reduced = over_replicas(reduce_scatter_sum(grad, group_size, reduce_group), replicate)
+        return cast_to(reduced, shard_dtype), None, None, None, None, None, None
 
 
 class _ReplicateScalar(torch.autograd.Function):
@@ -246,10 +246,14 @@ def gather_shard(
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     replicate: tuple[int, str] | None = None,
+    reduce_group: str | None = None,
 ) -> torch.Tensor:
-    """The gather of a padded shard (equal size on every rank); backward is the reduce
+    """The gather of a padded shard (equal size on every rank); backward is the reduce, on
+    ``reduce_group`` (another name of the same ranks) where given, else on ``group_name``
     (then, under HSDP, the all-reduce over ``replicate = (size, group name)``)."""
-    return _GatherShard.apply(shard, group_size, group_name, param_dtype, reduce_dtype, replicate)
+    return _GatherShard.apply(
+        shard, group_size, group_name, param_dtype, reduce_dtype, replicate, reduce_group
+    )
 
 
 def replicate_scalar(

@@ -283,6 +283,19 @@ _ROOTS_ON: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, weakref.ref]] 
 )
 
 
+def group_over_the_same_ranks(mesh: DeviceMesh, asked_by: str) -> str:
+    """The name of a new process group over the ranks of ``mesh`` (a second communicator
+    between them), made on every rank alike: ``new_group`` is collective over all ranks,
+    so ``mesh`` must span them (``asked_by`` names the option, for the error)."""
+    world = dist.get_world_size()
+    if mesh.size() != world:
+        raise ValueError(
+            f"fczero: {asked_by} needs the data-parallel axis to span every rank (it has "
+            f"{mesh.size()} of {world}); drop the option, or shard over all ranks."
+        )
+    return dist.new_group(ranks=dist.get_process_group_ranks(mesh.get_group())).group_name
+
+
 def root_group_name(group: dist.ProcessGroup, root: nn.Module) -> str:
     """The name the collectives of ``root``, one more model parallelized on ``group``, carry
     ([Note: a root's group name]); registered as a name of ``group`` where it is not the

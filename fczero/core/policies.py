@@ -80,6 +80,14 @@ class CommPolicy:
     """Install fczero's Inductor passes (bucketing, prefetch, late waits). They act only
     on graphs that ``torch.compile`` builds; eager mode is unaffected."""
 
+    separate_reduce_group: bool = False
+    """Reduce-scatter the grads on a process group of their own over the same ranks (a
+    second NCCL communicator, made by ``parallelize``), so that backward's reduce-scatters
+    can run beside its all-gathers instead of queueing behind them on one communicator
+    (FSDP2's ``set_separate_reduce_scatter_group``). Stage 3 over one mesh axis only. The
+    second communicator takes its own device memory for NCCL's buffers; whether it pays
+    depends on the model and the links: measure it (docs/benchmarks.md)."""
+
     def __post_init__(self) -> None:
         check_count("CommPolicy.bucket_bytes", self.bucket_bytes)
         check_count("CommPolicy.prefetch", self.prefetch)
@@ -92,6 +100,7 @@ class CommPolicy:
                 )
             check_count("CommPolicy.keep_unsharded", self.keep_unsharded)
         _check_flag("CommPolicy.compile_passes", self.compile_passes)
+        _check_flag("CommPolicy.separate_reduce_group", self.separate_reduce_group)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -73,19 +73,19 @@ logger = logging.getLogger("fczero")
 #: plain (neither 0-d nor tensor-parallel: the path ``gather_traced`` takes), recompute
 #: (stage 3: backward gathers again rather than save the result), rows_per_rank, rows
 #: (the unsharded dim 0), group_size, group_name, param_dtype, reduce_dtype, replicate,
-#: compute_device.
+#: compute_device, reduce_group (None: the reduce-scatter runs on group_name).
 GatherConstants = tuple
 
 
 def gather_with(local: torch.Tensor, c: GatherConstants) -> torch.Tensor:
     """This rank's local shard -> the unsharded param (pad, cast, all-gather, unpad)."""
     rows_per_rank, rows, group_size, group_name = c[2:6]
-    param_dtype, reduce_dtype, replicate, device = c[6:]
+    param_dtype, reduce_dtype, replicate, device, reduce_group = c[6:]
     if device is not None:
         local = to_device(local, device)  # param offload: from the host
     local = collectives.pad_rows(local, rows_per_rank)
     full = collectives.gather_shard(
-        local, group_size, group_name, param_dtype, reduce_dtype, replicate
+        local, group_size, group_name, param_dtype, reduce_dtype, replicate, reduce_group
     )
     return full if full.shape[0] == rows else full.narrow(0, 0, rows)
 
@@ -113,6 +113,9 @@ class ShardSpec:
     tensor_parallel: TensorParallelView | None = None  # shows the module a TP DTensor
     # param offload: the shard lives on the host; gathers copy it to this device first
     compute_device: torch.device | None = None
+    # CommPolicy.separate_reduce_group: the name of the group the reduce-scatters run on
+    # (the same ranks); None: they run on ``group_name``
+    reduce_group: str | None = None
     # copied from ``options`` ([Note: what a compiled gather reads])
     param_dtype: torch.dtype | None = field(init=False, repr=False, compare=False)
     reduce_dtype: torch.dtype | None = field(init=False, repr=False, compare=False)
@@ -143,8 +146,14 @@ class ShardSpec:
             self.reduce_dtype,
             self.replicate,
             self.compute_device,
+            self.reduce_group,
         )
         object.__setattr__(self, "traced", traced)
+
+    @property
+    def reduce_group_name(self) -> str:
+        """The group the grads are reduce-scattered on."""
+        return self.reduce_group or self.group_name
 
     @property
     def is_scalar(self) -> bool:

@@ -70,6 +70,7 @@ def new_settings(
     prefetch: int,
     memory_budget: int | None,
     replicate_group: str | None = None,
+    reduce_group: str | None = None,
     activation_offload: str = "off",
     offload_min_bytes: int = 0,
     param_offload: bool = False,
@@ -78,9 +79,10 @@ def new_settings(
     rank: int = 0,
 ) -> PassSettings:
     """The settings of one root's graphs on data-parallel group ``group_name``.
-    ``replicate_group``: HSDP's replicate group, whose grad all-reduces are bucketed too."""
+    ``replicate_group``: HSDP's replicate group, whose grad all-reduces are bucketed too;
+    ``reduce_group``: the group of the root's reduce-scatters, where they have their own."""
     return PassSettings(
-        frozenset({group_name}),
+        frozenset({group_name, reduce_group} - {None}),
         bucket_bytes,
         prefetch,
         memory_budget,

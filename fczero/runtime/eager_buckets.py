@@ -197,7 +197,7 @@ class _BucketGather(torch.autograd.Function):
             )
             rank_major(grads, layouts, world, flat)
             collectives.average_(flat, world, replicate)
-            reduced = collectives.reduce_scatter_sum(flat.view(-1), world, spec0.group_name)
+            reduced = collectives.reduce_scatter_sum(flat.view(-1), world, spec0.reduce_group_name)
             reduced = collectives.over_replicas(reduced, replicate)
             pieces = _shard_rows(reduced, layouts)
         out = [
