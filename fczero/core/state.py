@@ -17,6 +17,8 @@ attribute (``_fczero``) through which a module, a model or an optimizer reaches 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -43,14 +45,14 @@ ATTR = "_fczero"
 
 class ModuleState:
     """A module's ``_fczero``: its sharded params' states by name; a root's ``RootState``;
-    a unit's ``Unit`` (``fczero.runtime.units``)."""
+    a unit's ``Unit``."""
 
     __slots__ = ("params", "root", "unit")
 
     def __init__(self) -> None:
         self.params: dict[str, ParamState] = {}
         self.root: RootState | None = None
-        self.unit: Any = None
+        self.unit: Unit | None = None
 
 
 class OptimizerState:
@@ -142,11 +144,11 @@ class RootState:
         # (an ``EagerContext``), and what it opened itself there (its own context; its log
         # in a joined one)
         self.forwards: list[tuple[Any, bool, bool]] = []
-        # the unit gathered again for a recompute in backward (``fczero.runtime.units``)
-        self.recomputing: Any = None
+        # the unit gathered again for a recompute in backward (``fczero.runtime.wiring``)
+        self.recomputing: Unit | None = None
         # the unit whose eager forward began last, held weakly: the next unit's
         # ``previous`` ([Note: regathers for a recompute] in ``fczero.runtime.recompute``)
-        self.last_unit: weakref.ref | None = None
+        self.last_unit: weakref.ref[Unit] | None = None
         # a block compiled alone ran uncompiled under a selective checkpoint, and said so
         # once (``fczero.runtime.units``)
         self.warned_uncompiled_blocks = False
@@ -213,7 +215,7 @@ class ParamState:
         # the param as its unit gathered it, while the unit's forward runs (else None):
         # what every read inside the unit returns ([Note: units], ``fczero.runtime.units``)
         self.current: torch.Tensor | None = None
-        self.unit: Any = None  # the ``Unit`` (``fczero.runtime.units``) it belongs to, if any
+        self.unit: Unit | None = None  # the unit it belongs to, if any
 
     spec = _path_flag("spec", "The param's ``ShardSpec`` (replaced when it is kept unsharded).")
     sync = _path_flag("sync", "The root's sync flag, copied for the traced getter.")
@@ -284,6 +286,22 @@ class ParamState:
         self.acc = one.expand(self.spec.shape).detach().requires_grad_(True)
         # (CUDA graphs would free it between micro-batches, and a kept param's reused gather)
         keep_first_grad_out_of_pool(self.acc, partial(_reused_out_of_pool, weakref.ref(self)))
+
+
+@dataclass(eq=False)
+class Unit:
+    """One unit ([Note: units] in ``fczero.runtime.units``, which builds them and runs their
+    forwards): its module's path and the states of the params it gathers, in order."""
+
+    path: str
+    states: list[ParamState] = field(default_factory=list)
+    depth: int = 0  # forwards of this unit running now (a unit may call itself)
+    shared: bool = False  # its class has other units in the model (REUSE_BLOCKS compiles it once)
+    compiled: Callable | None = None  # its forward, compiled by ``module.compile()``
+    cls: type | None = None  # its module's class
+    # the unit whose forward began just before this one's in the last eager forward, held
+    # weakly (backward prefetches its regather: [Note: regathers for a recompute])
+    previous: weakref.ref[Unit] | None = None
 
 
 def _reused_out_of_pool(state: weakref.ref) -> None:

@@ -53,16 +53,14 @@ import os
 import re
 import types
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import torch
 import torch._dynamo.utils
 import torch.nn as nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
 
-from fczero.core.state import ATTR, ParamState, module_state
+from fczero.core.state import ATTR, ParamState, Unit, module_state
 from fczero.runtime import recompute
 from fczero.runtime.wiring import unsharded_param
 
@@ -86,57 +84,6 @@ def _outermost_indexed(path: str) -> bool:
 
 
 UnitSpec = str | Sequence[nn.Module | type] | None
-
-
-@dataclass(eq=False)
-class Unit:
-    """One unit: its module's path and the states of the params it gathers, in order."""
-
-    path: str
-    states: list[ParamState] = field(default_factory=list)
-    depth: int = 0  # forwards of this unit running now (a unit may call itself)
-    shared: bool = False  # its class has other units in the model (REUSE_BLOCKS compiles it once)
-    compiled: Callable | None = None  # its forward, compiled by ``module.compile()``
-    cls: type | None = None  # its module's class
-    # the unit whose forward began just before this one's in the last eager forward, held
-    # weakly (backward prefetches its regather: [Note: regathers for a recompute])
-    previous: weakref.ref[Unit] | None = None
-
-    def gather_for_recompute(self, state: ParamState) -> torch.Tensor:
-        """Backward recomputes a checkpointed region that runs inside this unit's forward
-        (the checkpoint sits inside the unit, as a checkpoint wrapper module puts it) and
-        reads ``state``'s param, which the unit let go of when its forward ended.
-
-        Gather the whole unit again, in its order, whichever param the region reads first
-        (every rank recomputes the region, so every rank gathers the same), and hold it
-        until backward recomputes another unit, or ends. Gathered without autograd (a
-        recompute's own graph is never differentiated), each marked as requiring grad as
-        its forward read was. Outside any dispatch mode: a selective checkpoint
-        replays the region's ops against those its forward ran, and the forward read these
-        params from the unit, without a collective."""
-        root = state.root
-        held = root.recomputing
-        if held is not None and held is not self:
-            _release_recompute(root)
-        if state.current is None:
-            with torch.no_grad(), _no_dispatch_modes():
-                fulls = [unsharded_param(s, s.param, compiling=False) for s in self.states]
-            for s, full in zip(self.states, fulls):
-                # requiring grad as in forward, so the region's ops save the same tensors
-                s.current = full.detach().requires_grad_(s.param.requires_grad)
-            if root.recomputing is None:
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    functools.partial(_release_recompute, root)
-                )
-            root.recomputing = self
-        return state.current
-
-
-def _release_recompute(root) -> None:
-    unit, root.recomputing = root.recomputing, None
-    if unit is not None and not unit.depth:
-        for state in unit.states:
-            state.current = None
 
 
 def auto_unit_paths(model: nn.Module) -> list[str]:

@@ -20,17 +20,19 @@ answer down. A whole copy (stages 1/2) or an accumulating micro-batch goes throu
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
 from torch.utils.checkpoint import checkpoint
 
 from fczero.comm import collectives
 from fczero.comm.reducer import whole_param
 from fczero.core.spec import gather_traced, local_shard, recompute_everything
-from fczero.core.state import ATTR, ParamState
+from fczero.core.state import ATTR, ParamState, RootState, Unit
 from fczero.runtime.prefetch import gather_eagerly
 
 #: (user class, param names, in units) -> its wired subclass. Per process: a generated class holds
@@ -58,10 +60,47 @@ def _unsharded_property(name: str, in_unit: bool) -> property:
         if in_unit and torch._C._current_graph_task_id() != -1:
             # backward recomputes a checkpointed region inside a unit's forward: the unit
             # is gathered again as a whole ([Note: units])
-            return state.unit.gather_for_recompute(state)
+            return gather_for_recompute(state.unit, state)
         return unsharded_param(state, module._parameters[name], compiling=False)
 
     return property(get, doc=f"Unsharded {name!r}, gathered by fczero on each access.")
+
+
+def gather_for_recompute(unit: Unit, state: ParamState) -> torch.Tensor:
+    """Backward recomputes a checkpointed region that runs inside ``unit``'s forward (the
+    checkpoint sits inside the unit, as a checkpoint wrapper module puts it) and reads
+    ``state``'s param, which the unit let go of when its forward ended.
+
+    Gather the whole unit again, in its order, whichever param the region reads first
+    (every rank recomputes the region, so every rank gathers the same), and hold it until
+    backward recomputes another unit, or ends. Gathered without autograd (a recompute's own
+    graph is never differentiated), each marked as requiring grad as its forward read was.
+    Outside any dispatch mode: a selective checkpoint replays the region's ops against
+    those its forward ran, and the forward read these params from the unit, without a
+    collective."""
+    root = state.root
+    held = root.recomputing
+    if held is not None and held is not unit:
+        _release_recompute(root)
+    if state.current is None:
+        with torch.no_grad(), _no_dispatch_modes():
+            fulls = [unsharded_param(s, s.param, compiling=False) for s in unit.states]
+        for s, full in zip(unit.states, fulls):
+            # requiring grad as in forward, so the region's ops save the same tensors
+            s.current = full.detach().requires_grad_(s.param.requires_grad)
+        if root.recomputing is None:
+            torch.autograd.Variable._execution_engine.queue_callback(
+                functools.partial(_release_recompute, root)
+            )
+        root.recomputing = unit
+    return state.current
+
+
+def _release_recompute(root: RootState) -> None:
+    unit, root.recomputing = root.recomputing, None
+    if unit is not None and not unit.depth:
+        for state in unit.states:
+            state.current = None
 
 
 def wire_module(module: nn.Module, names: Iterable[str], in_units: bool = False) -> None:
