@@ -2,13 +2,14 @@
 anything is sharded: old keyword names are mapped onto the policies (with a
 ``DeprecationWarning`` giving the new spelling), FSDP2's own policy objects are
 translated, and an unknown name is refused with the fczero spelling of what the user
-most likely meant (an FSDP2 or DeepSpeed name, or a typo)."""
+most likely meant (an FSDP2 or DeepSpeed name, or a typo). ``PassSettings``: what one
+root's options ask of fczero's compiled passes."""
 
 from __future__ import annotations
 
 import difflib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch.distributed import fsdp as torch_fsdp
 
@@ -252,4 +253,38 @@ def _from_torch_offload(policy: object) -> object:
     return OffloadPolicy()
 
 
+@dataclass(frozen=True)
+class PassSettings:
+    """One root's settings for fczero's compiled passes (``RootState.passes``), made by
+    ``parallelize`` from its options and found again from a graph by
+    ``fczero.passes.registry``."""
 
+    groups: frozenset[str]
+    bucket_bytes: int
+    prefetch: int
+    memory_budget: int | None
+    replicate_groups: frozenset[str] = frozenset()  # HSDP: grads are all-reduced over these
+    activation_offload: str = "off"
+    offload_min_bytes: int = 0
+    # the root's sharded params live in host memory (OffloadPolicy.params, on a GPU mesh)
+    param_offload: bool = False
+    # bytes of an element of param_dtype: reduces are sized at it (None: their own dtype)
+    param_itemsize: int | None = None
+    # check_policy: seconds to wait for the other ranks' graphs (None: graphs unchecked)
+    check_timeout_s: float | None = None
+    # this process's rank in the group: where its shard lands in an in-place all-gather
+    # (so the graphs, and Inductor's cache key, differ between ranks only there)
+    rank: int = 0
+    # What compiling under these settings produced: not settings, so left out of the
+    # comparison and of the repr (which keys Inductor's cache). The activation plan of
+    # each forward/backward pair partitioned, oldest first (``fczero.offload.partition``),
+    # and the warnings already given (each once per settings, not once per graph).
+    plans: list = field(default_factory=list, compare=False, repr=False)
+    warned: set[str] = field(default_factory=set, compare=False, repr=False)
+
+    def first_time(self, warning: str) -> bool:
+        """True once per settings for each ``warning`` key (then remembered in ``warned``)."""
+        if warning in self.warned:
+            return False
+        self.warned.add(warning)
+        return True

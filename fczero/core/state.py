@@ -35,7 +35,7 @@ from fczero.core.weak_ids import WeakIds
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from fczero.core.config import Options
+    from fczero.core.config import Options, PassSettings
     from fczero.core.spec import ShardSpec
 
 #: The one attribute fczero sets: on managed modules and roots (a ``ModuleState``) and on
@@ -126,20 +126,20 @@ class RootState:
         self._sync = True
         self.params: list[ParamState] = []  # registration order, identical on every rank
         self.reducer: Reducer | None = None
-        # selective unsharding (``fczero.core.unsharding``): the plan from keep_unsharded bytes
-        # (a KeptPlan), or the automatic planner (an AutoUnsharding). Set by the layers
-        # above, which own those types.
-        self.kept: Any = None
+        # selective unsharding (``fczero.core.unsharding``): the plan from keep_unsharded
+        # bytes, or the automatic planner (an ``AutoUnsharding`` of that module, which
+        # imports this one)
+        self.kept: KeptPlan | None = None
         self.auto_unsharding: Any = None
         # the eager runtime of this root (set by ``parallelize``): its prefetch (an
         # ``EagerPrefetch``), whose recorded order lasts from forward to forward, and its
         # collective log (checked)
         self.prefetch: Any = None
         self.eager_log: EagerLog | None = None
-        # the compiled passes' settings for this root's graphs (a ``PassSettings`` of
-        # ``fczero.passes.registry``, set by ``parallelize``; None: ``compile_passes=False``),
-        # with what compiling under them produced ([Note: from a graph to its root])
-        self.passes: Any = None
+        # the compiled passes' settings for this root's graphs (set by ``parallelize``;
+        # None: ``compile_passes=False``), with what compiling under them produced
+        # ([Note: from a graph to its root] in ``fczero.passes.registry``)
+        self.passes: PassSettings | None = None
         # the forwards of this root running now, innermost last: the context each runs in
         # (an ``EagerContext``), and what it opened itself there (its own context; its log
         # in a joined one)
@@ -286,6 +286,18 @@ class ParamState:
         self.acc = one.expand(self.spec.shape).detach().requires_grad_(True)
         # (CUDA graphs would free it between micro-batches, and a kept param's reused gather)
         keep_first_grad_out_of_pool(self.acc, partial(_reused_out_of_pool, weakref.ref(self)))
+
+
+@dataclass(frozen=True)
+class KeptPlan:
+    """Which params stay unsharded from forward to backward, and why (selective unsharding:
+    ``fczero.core.unsharding`` makes the plan)."""
+
+    ids: frozenset[int]  # ``id`` of each kept param
+    blocks: tuple[str, ...]  # the kept blocks, in registration order
+    kept_bytes: int  # their unsharded bytes
+    budget: int  # bytes the plan could spend
+    source: str  # "keep_unsharded", or "auto: ..." with the numbers it came from
 
 
 @dataclass(eq=False)

@@ -70,7 +70,6 @@ import logging
 import re
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -79,7 +78,7 @@ import torch.distributed as dist
 from fczero.comm import collectives
 from fczero.core.memory import budget_and_peak
 from fczero.core.policies import SHARD
-from fczero.core.state import root_state
+from fczero.core.state import KeptPlan, root_state
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -102,17 +101,6 @@ def block_of(path: str) -> str:
     if match:
         return match.group(1)
     return path.split(".")[0]
-
-
-@dataclass(frozen=True)
-class KeptPlan:
-    """Which params stay unsharded from forward to backward, and why."""
-
-    ids: frozenset[int]  # ``id`` of each kept param
-    blocks: tuple[str, ...]  # the kept blocks, in registration order
-    kept_bytes: int  # their unsharded bytes
-    budget: int  # bytes the plan could spend
-    source: str  # "keep_unsharded", or "auto: ..." with the numbers it came from
 
 
 def budget_of(

@@ -22,45 +22,12 @@ none of fczero's business.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 from torch import fx
 
 from fczero.comm.graph_ops import collective_group
-
-
-@dataclass(frozen=True)
-class PassSettings:
-    groups: frozenset[str]
-    bucket_bytes: int
-    prefetch: int
-    memory_budget: int | None
-    replicate_groups: frozenset[str] = frozenset()  # HSDP: grads are all-reduced over these
-    activation_offload: str = "off"
-    offload_min_bytes: int = 0
-    # the root's sharded params live in host memory (OffloadPolicy.params, on a GPU mesh)
-    param_offload: bool = False
-    # bytes of an element of param_dtype: reduces are sized at it (None: their own dtype)
-    param_itemsize: int | None = None
-    # check_policy: seconds to wait for the other ranks' graphs (None: graphs unchecked)
-    check_timeout_s: float | None = None
-    # this process's rank in the group: where its shard lands in an in-place all-gather
-    # (so the graphs, and Inductor's cache key, differ between ranks only there)
-    rank: int = 0
-    # What compiling under these settings produced: not settings, so left out of the
-    # comparison and of the repr (which keys Inductor's cache). The activation plan of
-    # each forward/backward pair partitioned, oldest first (``fczero.offload.partition``),
-    # and the warnings already given (each once per settings, not once per graph).
-    plans: list = field(default_factory=list, compare=False, repr=False)
-    warned: set[str] = field(default_factory=set, compare=False, repr=False)
-
-    def first_time(self, warning: str) -> bool:
-        """True once per settings for each ``warning`` key (then remembered in ``warned``)."""
-        if warning in self.warned:
-            return False
-        self.warned.add(warning)
-        return True
+from fczero.core.config import PassSettings
 
 
 def new_settings(
