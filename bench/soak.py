@@ -15,14 +15,15 @@ model is the benchmark's Llama; the arm is one of bench/arms.py's (``--arm``, de
 - peak memory: ``torch.cuda.max_memory_allocated``, reset at the start of each window, so
   the peak "at step 100" covers steps warmup+1..100 and "at step 2000" steps 1901..2000;
 - recompiles: graphs Dynamo compiled after warm-up (``torch._dynamo.utils.counters``);
-- the loss at the end of each window.
+- the loss at the end of each window, and the mean of its steps' losses (summed on the
+  device, read once the window ends).
 
 Every rank's numbers are gathered on rank 0, which writes ``soak.json`` in ``--out``.
 The run fails (exit code 1) if anything recompiled after warm-up, a loss is not finite,
 the peak of the last window exceeds the first one's by more than ``--mem-tolerance``, a
 window's throughput strays from the windows' median by more than ``--throughput-tolerance``,
 or, with ``--compare-losses`` (another run's soak.json, same steps and data), a window's
-loss differs from that run's by more than the benchmark's tolerance (``--loss-rtol`` x
+mean loss differs from that run's by more than the benchmark's tolerance (``--loss-rtol`` x
 max(|theirs|, 1), as bench.report compares arms).
 """
 
@@ -158,8 +159,10 @@ def soak(args: argparse.Namespace, ctx: ArmContext) -> dict:
         n = end - done
         reset_memory(device)
         t0 = time.perf_counter()
+        total = torch.zeros((), dtype=torch.float32, device=device)
         for i in range(done + 1, done + n + 1):
             loss = step(batches[(i - 1) % len(batches)])
+            total += loss.float()  # on the device: no sync inside the window
         synchronize(device)
         seconds = time.perf_counter() - t0
         done += n
@@ -169,6 +172,7 @@ def soak(args: argparse.Namespace, ctx: ArmContext) -> dict:
             "peak_mem_gib": _peak_gib(device),
             "allocated_gib": torch.cuda.memory_allocated(device) / GIB if device.type == "cuda" else None,
             "loss": float(loss),
+            "mean_loss": float(total) / n,
             "graphs_compiled": _graphs_compiled(),
         })  # fmt: skip
     if arm.close is not None:
@@ -198,6 +202,7 @@ def summarize(
             "tokens_per_s_per_gpu": min(w["tokens_per_s_per_gpu"] for w in ranks),
             "peak_mem_gib": max(peaks) if peaks else None,
             "loss": [w["loss"] for w in ranks],
+            "mean_loss": [w.get("mean_loss") for w in ranks],
         })  # fmt: skip
     first_full = next((w for w in windows if w["end_step"] >= args.window), windows[0])
     last = windows[-1]
@@ -205,7 +210,7 @@ def summarize(
     problems = []
     if any(recompiles):
         problems.append(f"recompiles after warm-up on ranks: {recompiles}")
-    if not all(math.isfinite(x) for w in windows for x in w["loss"]):
+    if not all(math.isfinite(x) for w in windows for x in (*w["loss"], *w["mean_loss"]) if x is not None):
         problems.append("a loss is not finite")
     growth = None
     if first_full["peak_mem_gib"] is not None:
@@ -246,13 +251,19 @@ def summarize(
 
 def compare_losses(args: argparse.Namespace, windows: list[dict], reference: dict) -> dict:
     """This run's rank-0 window losses against ``reference``'s, window by window: the largest
-    difference in units of the tolerance's scale, and the windows outside it."""
-    theirs = {w["end_step"]: w["loss"][0] for w in reference["windows"]}
+    difference in units of the tolerance's scale, and the windows outside it.
+
+    Each window's mean loss over its steps where both runs recorded it (a window's last
+    loss alone is one step on one batch: near a memorized batch's zero it is noise), else
+    its last loss (a reference written before the means were)."""
+    key = "mean_loss" if all(w.get("mean_loss", [None])[0] is not None for w in reference["windows"]) else "loss"
+    theirs = {w["end_step"]: w[key][0] for w in reference["windows"]}
     scaled = {
-        w["end_step"]: abs(w["loss"][0] - theirs[w["end_step"]]) / max(abs(theirs[w["end_step"]]), 1.0)
+        w["end_step"]: abs(w[key][0] - theirs[w["end_step"]]) / max(abs(theirs[w["end_step"]]), 1.0)
         for w in windows
     }  # fmt: skip
     return {
+        "compared": key,
         "against": reference.get("args", {}).get("arm", "the reference run"),
         "max_scaled_diff": max(scaled.values()),
         "outside": [step for step, d in scaled.items() if not d <= args.loss_rtol],
@@ -305,10 +316,10 @@ def worker(args: argparse.Namespace) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
         for w in result["windows"]:
-            logger.info("steps to %5d: %7.2f ms/step, %9.0f tokens/s/GPU, peak %s, loss %.4f",
+            logger.info("steps to %5d: %7.2f ms/step, %9.0f tokens/s/GPU, peak %s, mean loss %.4f",
                         w["end_step"], w["step_ms"], w["tokens_per_s_per_gpu"],
                         "n/a" if w["peak_mem_gib"] is None else f"{w['peak_mem_gib']:.3f} GiB",
-                        w["loss"][0])  # fmt: skip
+                        w["mean_loss"][0])  # fmt: skip
         logger.info("soak %s in %.0f s; %s", result["status"], result["total_s"],
                     "; ".join(result["problems"]) or "no recompiles, no memory growth, "
                     "throughput within the tolerance")  # fmt: skip

@@ -34,6 +34,7 @@ def test_smoke_soak_writes_windows(tmp_path: Path) -> None:
     assert [w["end_step"] for w in result["windows"]] == [4, 6]
     assert all(w["steps"] == 2 and w["tokens_per_s_per_gpu"] > 0 for w in result["windows"])
     assert all(math.isfinite(x) for w in result["windows"] for x in w["loss"])
+    assert all(math.isfinite(x) for w in result["windows"] for x in w["mean_loss"])
     assert result["peak_mem_gib_at_step_4"] is None  # CPU: no allocator statistics
     assert len(result["per_rank"]) == 2 and result["per_rank"][0]["graphs_at_warmup"] >= 1
     assert result["meta"]["model"]["dim"] == 64
@@ -129,3 +130,23 @@ def test_a_reference_with_other_windows_is_refused_before_any_step(tmp_path: Pat
     with pytest.raises(SystemExit):
         soak.parse_args(["--smoke", "--compare-losses", str(tmp_path / "missing.json")])
     assert "no such file" in capsys.readouterr().err
+
+
+def test_window_means_are_compared_where_both_runs_have_them() -> None:
+    """A window's last loss can sit far from the other run's while the window's mean does
+    not: the means decide where both runs recorded them."""
+    mine = [_rank([1.0, 1.0]), _rank([1.0, 1.0])]
+    for w, last, mean in zip(mine[0]["windows"], [0.03, 0.50], [0.20, 0.40]):
+        w["loss"], w["mean_loss"] = last, mean
+    for r in mine[1:]:
+        for w in r["windows"]:
+            w["mean_loss"] = 1.0
+    ref = {"windows": [{"end_step": s, "loss": [x, x], "mean_loss": [m, m]}
+                       for s, x, m in [(100, 0.10, 0.21), (200, 0.45, 0.41)]]}  # fmt: skip
+    result = soak.summarize(_args(), mine, ref)
+    assert result["losses_against"]["compared"] == "mean_loss"
+    assert result["losses_against"]["outside"] == [] and result["status"] == "ok"
+    del ref["windows"][0]["mean_loss"]  # an older reference: the last losses decide
+    result = soak.summarize(_args(), mine, ref)
+    assert result["losses_against"]["compared"] == "loss"
+    assert result["losses_against"]["outside"] == [100, 200]
