@@ -105,3 +105,12 @@ def test_other_stages_are_refused_before_any_param_changes(fake_pg):
 def test_the_option_is_a_flag():
     with pytest.raises(TypeError, match="separate_reduce_group must be True or False"):
         fczero.CommPolicy(separate_reduce_group=1)
+
+
+@pytest.mark.parametrize("fake_pg", [4], indirect=True)
+def test_an_axis_that_leaves_ranks_out_is_refused(fake_pg):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _llama()
+    with pytest.raises(ValueError, match=r"needs the data-parallel axis to span every rank \(it has 2 of 4\)"):
+        fczero.parallelize(model, mesh, axis="dp", comm_policy=SEPARATE)
+    assert not fczero.is_parallelized(model)
