@@ -216,6 +216,10 @@ class ParamState:
         # what every read inside the unit returns ([Note: units], ``fczero.runtime.units``)
         self.current: torch.Tensor | None = None
         self.unit: Unit | None = None  # the unit it belongs to, if any
+        # a module outside that unit reads it too (a tied embedding's head): an eager
+        # forward holds its gather from the unit's start to the forward's end
+        # ([Note: a param that two units read] in ``fczero.runtime.units``)
+        self.read_outside_unit = False
 
     spec = _path_flag("spec", "The param's ``ShardSpec`` (replaced when it is kept unsharded).")
     sync = _path_flag("sync", "The root's sync flag, copied for the traced getter.")

@@ -205,6 +205,9 @@ class EagerContext:
         self.prefetch = prefetch
         self.scope = scope
         self.log = log
+        # gathered params that outlive their unit's forward (a tied param read by a module
+        # outside its unit), let go when this forward ends
+        self.held: list[ParamState] = []
 
     def open(self) -> None:
         self.prefetch.start()
@@ -216,6 +219,9 @@ class EagerContext:
     def close(self, raised: bool) -> None:
         """End of the owner's forward: drop unused prefetches, remove the reshard hooks and
         (unless the forward raised: that error goes up) compare the gathers across ranks."""
+        for state in self.held:
+            state.current = None
+        self.held = []
         try:
             self.prefetch.finish()
         finally:

@@ -172,7 +172,11 @@ def build_units(model: nn.Module, paths: list[str], states: dict[int, ParamState
         owner = _innermost(path, by_path)
         for param in module._parameters.values():
             state = states.get(id(param)) if param is not None else None
-            if state is None or id(param) in taken:
+            if state is None:
+                continue
+            if id(param) in taken:
+                if state.unit is not by_path[owner]:
+                    state.read_outside_unit = True  # ([Note: a param that two units read])
                 continue
             taken.add(id(param))
             by_path[owner].states.append(state)
@@ -433,10 +437,28 @@ def _hold(unit: Unit, fulls: list[torch.Tensor]) -> None:
 
 
 def _release(unit: Unit) -> None:
+    """The unit's outermost forward ended: let its gathers go, but hand those that a
+    module outside it reads too to the running eager forward.
+
+    [Note: a param that two units read]
+    A tied embedding belongs to the unit of the module that registers it first (the
+    embedding); the head reads it too, outside that unit. Let go at the embedding's end,
+    it was gathered a second time for the head, and its grad reduce-scattered twice. An
+    eager forward instead keeps that gather until the forward ends (the head's read returns
+    it, as a read inside a unit does), so the param is gathered and reduced once a step,
+    and its gathered copy lives through the forward, as FSDP2's root group keeps the root's
+    params. Which params these are follows from the model's structure, the same on every
+    rank. A compiled graph gathers such a param once already (Dynamo traces both reads of
+    one gathered tensor), and outside a forward there is nothing to hold it to."""
     unit.depth -= 1
     if unit.depth == 0:
+        context = unit.states[0].root.context if unit.states else None
+        held = context is not None and not torch.compiler.is_compiling()
         for state in unit.states:
-            state.current = None
+            if held and state.read_outside_unit and state.current is not None:
+                context.held.append(state)
+            else:
+                state.current = None
 
 
 class _Together(torch.autograd.Function):

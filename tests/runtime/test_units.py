@@ -330,3 +330,39 @@ def test_reused_blocks_train_like_one_process():
     for trace, regions in run_on_ranks(_train_reused_blocks, 2):
         assert regions == 4
         parity.assert_close(trace, expected, **FP32)
+
+
+class _Gathers(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the functional all-gathers and reduce-scatters issued."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gathers = self.reduces = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        self.gathers += name.startswith("all_gather_into_tensor")
+        self.reduces += name.startswith("reduce_scatter_tensor")
+        return func(*args, **(kwargs or {}))
+
+
+def _eager_counts(tie: bool) -> tuple[int, int, int]:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=40, tie_embeddings=tie)
+    model = fczero.parallelize(Llama(cfg), init_device_mesh("cpu", (2,)))
+    for _ in range(2):  # the second step replays the recorded, bucketed order
+        with _Gathers() as counted:
+            out = model(torch.randint(0, 64, (2, 8)))
+            forward = counted.gathers
+            out.float().pow(2).mean().backward()
+    return forward, counted.gathers, counted.reduces
+
+
+def test_a_tied_embedding_is_gathered_and_reduced_once_per_eager_step(fake_pg):
+    """[Note: a param that two units read]: the head reads the embedding's gather, held to
+    the end of the forward, instead of gathering the tied param again; its grad comes back
+    through that one gather's reduce-scatter."""
+    untied, tied = _eager_counts(tie=False), _eager_counts(tie=True)
+    # untied: embedding, the two blocks, the final norm, the head; tied: no head gather
+    assert tied[0] == untied[0] - 1, (tied, untied)
+    assert tied[1] == untied[1] - 1 and tied[2] == untied[2] - 1, (tied, untied)
