@@ -452,10 +452,11 @@ def _release(unit: Unit) -> None:
     one gathered tensor), and outside a forward there is nothing to hold it to."""
     unit.depth -= 1
     if unit.depth == 0:
-        context = unit.states[0].root.context if unit.states else None
-        held = context is not None and not torch.compiler.is_compiling()
+        context = None
+        if unit.states and not torch.compiler.is_compiling():  # (compiled: read no more of
+            context = unit.states[0].root.context  # the state than the gather needs)
         for state in unit.states:
-            if held and state.read_outside_unit and state.current is not None:
+            if context is not None and state.read_outside_unit and state.current is not None:
                 context.held.append(state)
             else:
                 state.current = None
