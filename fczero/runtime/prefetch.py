@@ -32,11 +32,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.utils.checkpoint
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from fczero.comm import collectives, consistency
-from fczero.core.spec import eager_local
+from fczero.core.spec import eager_local, local_shard
 from fczero.runtime import eager_buckets, resharding
 
 if TYPE_CHECKING:
@@ -261,7 +260,7 @@ def gather_eagerly(state: ParamState, param: torch.Tensor) -> torch.Tensor:
     or for a tensor-parallel param the tensor-parallel DTensor (``fczero.comm.meshes``)."""
     spec = state.spec
     if spec.is_scalar:
-        return spec.gather_scalar(param.to_local() if isinstance(param, DTensor) else param)
+        return spec.gather_scalar(local_shard(param))
     param = state.differentiated(param)
     context = state.root.context
     if context is not None:

@@ -270,7 +270,8 @@ def _unit_forward(forward):
         # eager around a body compiled by ``module.compile()`` ([Note: blocks compiled alone])
         body = unit.compiled if outermost and not compiling else None
         if body is not None and torch._C._len_torch_dispatch_stack():
-            body = _uncompiled_under_a_mode(unit)
+            _say_uncompiled_once(unit)
+            body = None
         reuse = body is None and REUSE_BLOCKS and unit.shared and outermost and compiling
         if reuse and not _reuse_supported():
             reuse = False
@@ -288,7 +289,7 @@ def _unit_forward(forward):
     return unit_forward
 
 
-def _uncompiled_under_a_mode(unit: Unit) -> None:
+def _say_uncompiled_once(unit: Unit) -> None:
     """A block compiled alone runs its plain forward while a dispatch mode is active: a
     selective checkpoint around it (fczero's Llama with ``checkpointing="selective"``, a
     ``context_fn`` of the user's) runs its forward and its recompute under one. On 4 x H200
@@ -307,7 +308,6 @@ def _uncompiled_under_a_mode(unit: Unit) -> None:
             "([Note: blocks compiled alone]).",
             unit.path,
         )
-    return None
 
 
 @functools.cache
