@@ -9,6 +9,11 @@ alongside, over the GPU kernels of the trace (all streams of this rank's device)
 
 Memory copies and memsets count as neither. Values are per step: totals divided by
 the number of profiled steps. On CPU (gloo) there are no kernels and every figure is 0.
+
+What communication costs the matmuls beside it shows in two more figures: the summed
+duration of the matmul kernels (``matmul_ms``; the same matmuls run in every arm of a
+regime, so an arm's excess over the floor's is their slowdown) and how much of that time
+a collective kernel ran alongside (``matmul_beside_comm_ms``).
 """
 
 from __future__ import annotations
@@ -44,6 +49,12 @@ class ProfileSummary:
     """Time a collective kernel runs and no compute kernel does."""
     compute_ms: float
     """Time at least one non-collective kernel runs."""
+    comm_kernel_ms: float = 0.0
+    """Summed duration of the collective kernels (more than ``comm_ms`` where they overlap)."""
+    matmul_ms: float = 0.0
+    """Summed duration of the matmul kernels (``MATMUL_MARKERS``)."""
+    matmul_beside_comm_ms: float = 0.0
+    """Time a matmul kernel runs while a collective kernel does."""
     host_ms: float
     """CPU time inside the step call while profiling (profiler overhead included)."""
     kernels: int
@@ -88,6 +99,37 @@ def overlap(a: Sequence[Interval], b: Sequence[Interval]) -> float:
     return total
 
 
+MATMUL_MARKERS = ("gemm", "nvjet", "cutlass", "xmma")
+"""A kernel whose lower-cased name holds one of these is a matmul (cuBLAS's and CUTLASS's
+names on Hopper; Triton's own matmuls are named ``triton_tem_fused_mm...``)."""
+
+
+def is_matmul_kernel(name: str) -> bool:
+    lowered = name.lower()
+    return any(marker in lowered for marker in MATMUL_MARKERS) or "triton_tem" in lowered
+
+
+def matmul_times(trace_events: Iterable[dict]) -> tuple[float, float, float]:
+    """(summed collective kernel time, summed matmul kernel time, matmul time beside a
+    collective) in µs from Chrome-trace events."""
+    comm: list[Interval] = []
+    matmul: list[Interval] = []
+    for ev in _kernels(trace_events):
+        start = float(ev["ts"])
+        interval = (start, start + float(ev.get("dur", 0.0)))
+        name = str(ev.get("name", ""))
+        if is_comm_kernel(name):
+            comm.append(interval)
+        elif is_matmul_kernel(name):
+            matmul.append(interval)
+    summed = lambda intervals: sum(e - s for s, e in intervals)  # noqa: E731
+    return summed(comm), summed(matmul), overlap(merge(matmul), merge(comm))
+
+
+def _kernels(trace_events: Iterable[dict]) -> Iterable[dict]:
+    return (ev for ev in trace_events if ev.get("ph") == "X" and ev.get("cat") == "kernel")
+
+
 def is_comm_kernel(name: str) -> bool:
     lowered = name.lower()
     return any(marker in lowered for marker in COMM_MARKERS)
@@ -112,9 +154,7 @@ def kernel_times(trace_events: Iterable[dict]) -> tuple[list[Interval], list[Int
     """(collective, compute) kernel intervals in µs from Chrome-trace events."""
     comm: list[Interval] = []
     compute: list[Interval] = []
-    for ev in trace_events:
-        if ev.get("ph") != "X" or ev.get("cat") != "kernel":
-            continue
+    for ev in _kernels(trace_events):
         start = float(ev["ts"])
         interval = (start, start + float(ev.get("dur", 0.0)))
         (comm if is_comm_kernel(str(ev.get("name", ""))) else compute).append(interval)
@@ -165,6 +205,7 @@ def profile_steps(
     events = load_trace(trace_path)
     comm, exposed, compute, kernels = exposed_comm(events)
     counts = collective_counts(events)
+    comm_kernels, matmul, matmul_beside = matmul_times(events)
     if not keep_trace:
         trace_path.unlink()
     summary = ProfileSummary(
@@ -172,6 +213,9 @@ def profile_steps(
         comm_ms=comm / 1e3 / steps,
         exposed_comm_ms=exposed / 1e3 / steps,
         compute_ms=compute / 1e3 / steps,
+        comm_kernel_ms=comm_kernels / 1e3 / steps,
+        matmul_ms=matmul / 1e3 / steps,
+        matmul_beside_comm_ms=matmul_beside / 1e3 / steps,
         host_ms=sum(host) * 1e3 / steps,
         kernels=kernels // steps,
         collectives={kind: n // steps for kind, n in sorted(counts.items())},

@@ -253,7 +253,7 @@ def markdown(records: list[dict]) -> str:
         head = ["arm", "status", "step ms", "x floor", "tokens/s/GPU", "TFLOP/s/GPU", "peak GiB"]
         head += ["first step s", "CPU ms/step", f"loss @ step {r0.get('n_check')}"]
         if profiled:
-            head += ["comm ms/step", "exposed comm ms/step"]
+            head += ["comm ms/step", "exposed comm ms/step", "matmul ms/step", "matmul beside comm"]
         out += ["| " + " | ".join(head) + " |", "| --- | --- |" + " ---: |" * (len(head) - 2)]
         for r in rows:
             ok = r.get("status") == "ok"
@@ -275,7 +275,10 @@ def markdown(records: list[dict]) -> str:
                 _loss_cell(r),
             ]
             if profiled:
-                cells += [_f(prof.get("comm_ms"), ".1f"), _f(prof.get("exposed_comm_ms"), ".1f")]
+                cells += [
+                    _f(prof.get(key), ".1f")
+                    for key in ("comm_ms", "exposed_comm_ms", "matmul_ms", "matmul_beside_comm_ms")
+                ]
             out.append("| " + " | ".join(cells) + " |")
     phase_rows = phase_table(records)
     if phase_rows:

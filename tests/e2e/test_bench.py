@@ -21,7 +21,7 @@ if str(REPO) not in sys.path:  # bench/ is a folder of the repo, not an installe
 
 from bench import report
 from bench.arms import ARMS, MEMORY_ARMS, deepspeed_config, fix_cuda_arch_list, select_arms
-from bench.profile import collective_counts, exposed_comm, merge, overlap
+from bench.profile import collective_counts, exposed_comm, matmul_times, merge, overlap
 
 
 def test_smoke_run_writes_agreeing_results(tmp_path: Path) -> None:
@@ -304,6 +304,9 @@ def test_exposed_comm_from_trace_events() -> None:
     comm, exposed, compute, kernels = exposed_comm(events)
     assert (comm, exposed, compute, kernels) == (15.0, 9.0, 8.0, 4)
     assert collective_counts(events) == {"AllGather": 1, "ReduceScatter": 1}
+    # summed collective kernels 15; the gemm runs 6, all of it beside the all-gather
+    assert matmul_times(events) == (15.0, 6.0, 6.0)
+    assert matmul_times(events + [kernel("nvjet_tst_64x8", 40, 3)]) == (15.0, 9.0, 6.0)
 
 
 def test_select_arms() -> None:
