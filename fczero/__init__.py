@@ -14,7 +14,7 @@ from fczero.offload.report import MemoryReport, memory_report
 from fczero.runtime.accumulation import no_sync, set_requires_gradient_sync
 from fczero.runtime.clipping import clip_grad_norm_
 from fczero.runtime.grads import check_finite_grads
-from fczero.runtime.stages import refresh_params
+from fczero.runtime.param_states import refresh_params
 
 __all__ = [
     "CheckPolicy",

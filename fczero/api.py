@@ -22,7 +22,7 @@ from fczero.comm.meshes import (
     resolve_mesh,
     root_group_name,
 )
-from fczero.core import config, cuda_graphs, host_memory, memory, unsharding
+from fczero.core import config, cuda_graphs, memory, offload_sizing, unsharding
 from fczero.core import meta_init as meta_device_init
 from fczero.core.config import Options
 from fczero.core.policies import CheckPolicy, CommPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -32,7 +32,7 @@ from fczero.offload import params as param_offload
 from fczero.offload import partition as offload_partition
 from fczero.passes import registry
 from fczero.passes.install import install
-from fczero.runtime import guards, stages, step_hooks
+from fczero.runtime import guards, param_states, step_hooks
 from fczero.runtime import prefetch as eager_prefetch
 from fczero.runtime import units as gather_units
 from fczero.runtime.units import UnitSpec
@@ -198,7 +198,7 @@ def parallelize(
         )
 
     if options.offload.params:  # refused before any param is sharded if the host lacks room
-        host_memory.check_param_offload(params, dp_mesh, mesh_device(dp_mesh))
+        offload_sizing.check_param_offload(params, dp_mesh, mesh_device(dp_mesh))
     specs_by_param: dict[int, tuple[nn.Parameter, ShardSpec]] = {}
     if meta_plan is not None:
         specs_by_param = meta_device_init.init_and_shard(meta_plan, dp_mesh, options)
@@ -239,7 +239,7 @@ def parallelize(
         wiring.setdefault(module, []).append(name)
     for module, names in wiring.items():
         wire_module(module, names, in_units=bool(unit_paths))  # (the root's unit takes the rest)
-    root = stages.attach(
+    root = param_states.attach(
         model,
         [(originals[key], *specs_by_param[key]) for key in specs_by_param],
         wiring,

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from fczero.comm import collectives
 from fczero.core.state import root_state
 from fczero.offload import params as param_offload
-from fczero.runtime import stages
+from fczero.runtime import param_states
 
 logger = logging.getLogger("fczero")
 
@@ -193,7 +193,7 @@ def load(
         _apply_optimizer_state(model, optimizer, state[_OPTIM])
     root = root_state(model)
     if root is not None:  # stages 1 and 2: the whole copies follow the loaded shards
-        stages.refresh(root.params)
+        param_states.refresh(root.params)
     logger.info("loaded checkpoint of step %d from %s", meta["step"], path)
     return CheckpointInfo(
         step=meta["step"], world_size=meta["world_size"], extra=json.loads(meta["extra"]), path=path

@@ -3,7 +3,7 @@ backend and ``parallelize`` options), ``run_cases`` (trains a list of cases in o
 process; the ranks' processes import it) over ``train_each`` (any list of training runs, also
 tests/e2e/test_hf_llama.py's), the bf16 mixed-precision options, and the fp32 and bf16
 tolerances the cases are held to (why these: tests/e2e/test_numerics.py's docstring).
-test_numerics runs its cases on gloo ranks, tests/runtime/test_stages.py adds ZeRO stages 1
+test_numerics runs its cases on gloo ranks, tests/runtime/test_param_states.py adds ZeRO stages 1
 and 2, and tests/e2e/test_gpu.py runs them under NCCL."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Several shards gathered as one: where each lies in the flat buffer, the copy in and the
 copy out. An eager bucket (``fczero.runtime.eager_buckets``) and the refresh of stage 1/2's
-whole copies (``fczero.runtime.stages``) gather this way. A compiled bucket of reduces
+whole copies (``fczero.runtime.param_states``) gather this way. A compiled bucket of reduces
 (``fczero.passes.bucketing``) lays its grads out with ``fczero::chunk_cat``.
 
     copy_in:  each shard, cast and padded to its rows per rank, laid end to end (one op)

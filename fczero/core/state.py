@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fczero.comm.consistency import EagerLog
-from fczero.comm.reducer import Reducer, Route
+from fczero.comm.whole_grads import Reducer, Route
 from fczero.core.cuda_graphs import keep_first_grad_out_of_pool
 from fczero.core.spec import sharded_grad
 from fczero.core.weak_ids import WeakIds

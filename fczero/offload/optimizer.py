@@ -52,7 +52,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fczero.core import host_memory, streams, unsharding
+from fczero.core import offload_sizing, streams, unsharding
 from fczero.core.state import OptimizerState, compute_device_of, optimizer_state, options_of
 from fczero.offload import state_budget
 from fczero.runtime.step_hooks import one_step_in_parts, roots_of
@@ -330,7 +330,7 @@ class OptimizerOffload:
             budget = options.memory_budget if options is not None else None
         chunks = self._chunks(self._params()) if self.chunk_bytes is not None else []
         reserve = state_budget.in_flight_bytes(
-            [sum(host_memory.local_nbytes(p) for _, p in c) for c in chunks],
+            [sum(offload_sizing.local_nbytes(p) for _, p in c) for c in chunks],
             self.device_step,
         )
         self.device_bytes, self.summary.sizing = state_budget.plan_device_bytes(
@@ -354,7 +354,7 @@ class OptimizerOffload:
     def _chunks(self, params):
         chunks, current, size = [], [], 0
         for name, p in params:
-            nbytes = host_memory.local_nbytes(p)
+            nbytes = offload_sizing.local_nbytes(p)
             if current and self.chunk_bytes is not None and size + nbytes > self.chunk_bytes:
                 chunks.append(current)
                 current, size = [], 0
@@ -560,7 +560,7 @@ def offload_optimizer_states(
     for root in roots_of(optimizer):  # the least device memory is asked for
         unsharding.drop_default_plan(root, "offload_optimizer_states")
     kept = 0 if device_bytes == "auto" else device_bytes  # (auto: decided at the first step)
-    host_memory.check_optimizer_states(optimizer, kept, pin_memory, _step_device)
+    offload_sizing.check_optimizer_states(optimizer, kept, pin_memory, _step_device)
     handle = OptimizerOffload(optimizer, device_bytes, pin_memory, chunk_bytes, memory_budget)
     optimizer_state(optimizer).offload.append(handle)
     return handle

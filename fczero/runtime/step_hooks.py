@@ -28,7 +28,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from fczero.core import host_memory, streams
+from fczero.core import offload_sizing, streams
 from fczero.core.state import (
     OptimizerState,
     ParamState,
@@ -38,7 +38,7 @@ from fczero.core.state import (
     state_of,
 )
 from fczero.runtime import accumulation, guards, local_step
-from fczero.runtime.stages import refresh
+from fczero.runtime.param_states import refresh
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -101,7 +101,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
     accumulation.check_before_step(states)
     record = OptimizerState.of(optimizer)
     if record.devices:
-        host_memory.check_host_step(optimizer, [s.param for s in states if s.spec.compute_device])
+        offload_sizing.check_host_step(optimizer, [s.param for s in states if s.spec.compute_device])
         streams.wait_for_device(set(record.devices))
     local_step.enter(optimizer, record.params, record.sharded)
 

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_
 from torch.utils.checkpoint import checkpoint
 
 from fczero.comm import collectives
-from fczero.comm.reducer import whole_param
+from fczero.comm.whole_grads import whole_param
 from fczero.core.spec import gather_traced, local_shard, recompute_everything
 from fczero.core.state import ATTR, ParamState, RootState, Unit
 from fczero.runtime.prefetch import gather_eagerly

@@ -139,7 +139,7 @@ def test_synced_graph_after_accumulating_takes_the_sum(fake_pg, stage):
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     with fczero.no_sync(model):
         compiled(torch.randn(3, 8)).sum().backward()
-    states = fczero.runtime.stages.root_state(model).params
+    states = fczero.runtime.param_states.root_state(model).params
     assert all(s.acc is not None and s.acc.grad is not None for s in states)
     compiled(torch.randn(3, 8)).sum().backward()
     assert len(backend.fw_graphs) == 2 and len(backend.bw_graphs) == 2
@@ -184,7 +184,7 @@ def test_toggle_inside_forward_is_refused(fake_pg):
     model = fczero.parallelize(Toggles(), init_device_mesh("cpu", (2,)), stage=2)
     with pytest.raises(RuntimeError, match="inside a forward"):
         model(torch.randn(3, 8))
-    assert fczero.runtime.stages.root_state(model).sync is True  # unchanged
+    assert fczero.runtime.param_states.root_state(model).sync is True  # unchanged
 
 
 def test_bad_targets_and_values(fake_pg):
@@ -194,7 +194,7 @@ def test_bad_targets_and_values(fake_pg):
     with pytest.raises(ValueError, match="root module"):
         fczero.set_requires_gradient_sync(model.fc1, False)
     fczero.set_requires_gradient_sync(torch.compile(model), False)  # the wrapper is accepted
-    assert fczero.runtime.stages.root_state(model).sync is False
+    assert fczero.runtime.param_states.root_state(model).sync is False
     with pytest.raises(ValueError, match="root module"), fczero.no_sync(TwoLayer()):
         pass
 

@@ -1,4 +1,4 @@
-"""The host-memory check ([Note: host memory check] in ``fczero/core/host_memory.py``):
+"""The host-memory check ([Note: host memory check] in ``fczero/core/offload_sizing.py``):
 an offload that will not fit in host memory is refused before anything moves, with the
 bytes needed and available in the message; one that fits goes on.
 
@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fczero
-from fczero.core import host_memory
+from fczero.core import offload_sizing
 from fczero.testing.distributed import gpu_world_size, run_on_ranks
 
 
@@ -32,10 +32,10 @@ def host(monkeypatch):
         available: int | None = 10**12
         memlock: int | None = None
 
-    monkeypatch.setattr(host_memory, "goes_to_host", lambda device: True)
-    monkeypatch.setattr(host_memory, "read_mem_available", lambda: Host.available)
-    monkeypatch.setattr(host_memory, "read_cgroup_headroom", lambda: None)
-    monkeypatch.setattr(host_memory, "read_memlock", lambda: Host.memlock)
+    monkeypatch.setattr(offload_sizing, "goes_to_host", lambda device: True)
+    monkeypatch.setattr(offload_sizing, "read_mem_available", lambda: Host.available)
+    monkeypatch.setattr(offload_sizing, "read_cgroup_headroom", lambda: None)
+    monkeypatch.setattr(offload_sizing, "read_memlock", lambda: Host.memlock)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     return Host
 
@@ -175,7 +175,7 @@ def test_optimizer_states_that_do_not_fit_are_refused_before_any_hook(host):
 def test_predicted_states_are_the_states_the_optimizer_creates(make):
     params = [nn.Parameter(torch.randn(7, 3)), nn.Parameter(torch.randn(5, dtype=torch.float64))]
     opt = make(params)
-    predicted = [host_memory._state_sizes(opt, p, opt.param_groups[0]) for p in params]
+    predicted = [offload_sizing._state_sizes(opt, p, opt.param_groups[0]) for p in params]
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()
@@ -211,17 +211,17 @@ def test_the_host_step_is_checked_once_before_its_states_exist(host):
     opt = torch.optim.AdamW(params)
     host.available = 2 * 4000 + 2 * 40 - 1  # pageable: exact sizes
     with pytest.raises(MemoryError, match=r"AdamW.step\(\) on the host .* \(8079 bytes\) avail"):
-        host_memory.check_host_step(opt, params)
+        offload_sizing.check_host_step(opt, params)
     host.available += 1
-    host_memory.check_host_step(opt, params)
+    offload_sizing.check_host_step(opt, params)
     host.available = 0
-    host_memory.check_host_step(opt, params)  # checked already: not again
+    offload_sizing.check_host_step(opt, params)  # checked already: not again
 
 
 def test_os_readers(tmp_path):
     (tmp_path / "meminfo").write_text("MemTotal: 8 kB\nMemAvailable:    1024 kB\n")
-    assert host_memory.read_mem_available(str(tmp_path / "meminfo")) == 1024 * 1024
-    assert host_memory.read_mem_available(str(tmp_path / "missing")) is None
+    assert offload_sizing.read_mem_available(str(tmp_path / "meminfo")) == 1024 * 1024
+    assert offload_sizing.read_mem_available(str(tmp_path / "missing")) is None
     v2, v1 = tmp_path / "v2", tmp_path / "v1"
     v2.mkdir()
     v1.mkdir()
@@ -229,44 +229,44 @@ def test_os_readers(tmp_path):
     (v2 / "memory.current").write_text("600000\n")
     (v2 / "memory.stat").write_text("anon 500000\ninactive_file 100000\n")
     # limit less the working set (usage less inactive file cache)
-    assert host_memory.read_cgroup_headroom(str(v2), str(v1)) == 500000
+    assert offload_sizing.read_cgroup_headroom(str(v2), str(v1)) == 500000
     (v2 / "memory.max").write_text("max\n")
-    assert host_memory.read_cgroup_headroom(str(v2), str(v1)) is None
+    assert offload_sizing.read_cgroup_headroom(str(v2), str(v1)) is None
     (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
     (v1 / "memory.usage_in_bytes").write_text("1\n")
-    assert host_memory.read_cgroup_headroom(str(tmp_path / "none"), str(v1)) is None
+    assert offload_sizing.read_cgroup_headroom(str(tmp_path / "none"), str(v1)) is None
     (v1 / "memory.limit_in_bytes").write_text("3000\n")
     (v1 / "memory.stat").write_text("inactive_file 5\ntotal_inactive_file 1000\n")
     (v1 / "memory.usage_in_bytes").write_text("2500\n")
-    assert host_memory.read_cgroup_headroom(str(tmp_path / "none"), str(v1)) == 1500
+    assert offload_sizing.read_cgroup_headroom(str(tmp_path / "none"), str(v1)) == 1500
 
 
 def test_the_cgroup_limit_wins_when_it_is_lower(monkeypatch):
-    monkeypatch.setattr(host_memory, "read_mem_available", lambda: 10**9)
-    monkeypatch.setattr(host_memory, "read_cgroup_headroom", lambda: 10**6)
-    assert host_memory.available() == (10**6, "the memory cgroup's limit less its working set")
-    monkeypatch.setattr(host_memory, "read_cgroup_headroom", lambda: None)
-    assert host_memory.available() == (10**9, "MemAvailable in /proc/meminfo")
+    monkeypatch.setattr(offload_sizing, "read_mem_available", lambda: 10**9)
+    monkeypatch.setattr(offload_sizing, "read_cgroup_headroom", lambda: 10**6)
+    assert offload_sizing.available() == (10**6, "the memory cgroup's limit less its working set")
+    monkeypatch.setattr(offload_sizing, "read_cgroup_headroom", lambda: None)
+    assert offload_sizing.available() == (10**9, "MemAvailable in /proc/meminfo")
 
 
 def test_sizes_and_rounding():
-    assert [host_memory.pinned_size(n) for n in (0, 1, 4096, 4097, 2**30 + 1)] == [
+    assert [offload_sizing.pinned_size(n) for n in (0, 1, 4096, 4097, 2**30 + 1)] == [
         0,
         1,
         4096,
         8192,
         2**31,
     ]
-    assert host_memory.shard_bytes(torch.Size([13, 5]), 4, 4) == 4 * 5 * 4  # ceil(13 / 4) rows
-    assert host_memory.shard_bytes(torch.Size([]), 4, 2) == 2  # 0-d: replicated
-    assert host_memory.size_text(3 * 2**30 + 2**29) == "3.50 GiB (3758096384 bytes)"
+    assert offload_sizing.shard_bytes(torch.Size([13, 5]), 4, 4) == 4 * 5 * 4  # ceil(13 / 4) rows
+    assert offload_sizing.shard_bytes(torch.Size([]), 4, 2) == 2  # 0-d: replicated
+    assert offload_sizing.size_text(3 * 2**30 + 2**29) == "3.50 GiB (3758096384 bytes)"
 
 
 def _small_host_on_gpu(rank: int, world_size: int):
     """On a GPU mesh: parallelize, the host step and offload_optimizer_states are each
     refused on a host with 1 MiB available, and go on once the host has room."""
-    host_memory.read_mem_available = lambda: 2**20
-    host_memory.read_cgroup_headroom = lambda: None
+    offload_sizing.read_mem_available = lambda: 2**20
+    offload_sizing.read_cgroup_headroom = lambda: None
     mesh = init_device_mesh("cuda", (world_size,))
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(4)))
@@ -279,11 +279,11 @@ def _small_host_on_gpu(rank: int, world_size: int):
     out["model_unchanged"] = not fczero.is_parallelized(model) and all(
         torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters())
     )
-    host_memory.read_mem_available = lambda: 10**12
+    offload_sizing.read_mem_available = lambda: 10**12
     fczero.parallelize(model, mesh, offload_policy=fczero.OffloadPolicy(params=True))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(8, 512, device="cuda")).sum().backward()
-    host_memory.read_mem_available = lambda: 2**20
+    offload_sizing.read_mem_available = lambda: 2**20
     shards = [p.to_local().clone() for p in model.parameters()]
     try:
         opt.step()
@@ -296,7 +296,7 @@ def _small_host_on_gpu(rank: int, world_size: int):
         fczero.offload_optimizer_states(opt, chunk_bytes=2**20)
     except MemoryError as err:
         out["offload_optimizer_states"] = str(err)
-    host_memory.read_mem_available = lambda: 10**12
+    offload_sizing.read_mem_available = lambda: 10**12
     fczero.offload_optimizer_states(opt, chunk_bytes=2**20)
     opt.step()
     out["stepped"] = bool(opt.state)

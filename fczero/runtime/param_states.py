@@ -5,7 +5,7 @@ In every stage the module owns the sharded param and every optimizer sees only
 shards, so optimizer state is always sharded. In stages 1 and 2 each rank also keeps
 a *whole copy* of every param (in ``param_dtype`` if set), which is what the module
 reads: no all-gather in forward or backward. Its backward reduces the whole grad to
-the sharded grad (``fczero.comm.reducer``): a reduce-scatter in stage 2, a bucketed
+the sharded grad (``fczero.comm.whole_grads``): a reduce-scatter in stage 2, a bucketed
 all-reduce in stage 1.
 
 The whole copies are refreshed in place, by a bucketed all-gather of the updated
@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fczero.comm import collectives
 from fczero.comm.buckets import plan_items
 from fczero.comm.flat import copy_in, copy_out
-from fczero.comm.reducer import Reducer, Route
+from fczero.comm.whole_grads import Reducer, Route
 from fczero.core.spec import mesh_device
 from fczero.core.state import (
     ParamState,

@@ -1,4 +1,5 @@
-"""Host-memory check: an offload whose host bytes will not fit fails before any is taken.
+"""Offload sizing: the host bytes each offload takes, checked against the host's free
+memory before any is taken.
 
 [Note: host memory check]
 Each thing fczero puts in host memory is counted before it is allocated, so that a model

@@ -1,4 +1,4 @@
-"""The whole-param reduce (fczero/comm/reducer.py) on 2 gloo ranks: each route turns a whole
+"""The whole-param reduce (fczero/comm/whole_grads.py) on 2 gloo ranks: each route turns a whole
 grad into this rank's averaged rows, and stage 1's buckets are planned in reverse
 registration order without mixing dtypes."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from fczero.comm.reducer import Reducer, Route, reduce_whole_grad
+from fczero.comm.whole_grads import Reducer, Route, reduce_whole_grad
 from fczero.testing.distributed import run_on_ranks
 
 

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import fczero
-from fczero.runtime import stages
+from fczero.runtime import param_states
 from fczero.testing import backends, parity
 from fczero.testing.distributed import gpu_world_size, run_on_ranks
 from fczero.testing.graphs import collective_sequence
@@ -44,7 +44,7 @@ def _bucket_launches(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = tiny_llama()
     fczero.parallelize(model, init_device_mesh("cpu", (world_size,)), stage=1, comm_policy=fczero.CommPolicy(bucket_bytes=4096))
-    red = stages.root_state(model).reducer
+    red = param_states.root_state(model).reducer
     log: list[tuple[int, bool]] = []
     launch, finish = red._launch, red.finish
     in_finish = [False]
@@ -93,7 +93,7 @@ def _refresh_after_manual_change(rank: int, world_size: int) -> list[str]:
     with torch.no_grad():
         for p in model.parameters():
             p.to_local().mul_(2.0)
-    states = stages.root_state(model).params
+    states = param_states.root_state(model).params
     stale = [s for s in states if not torch.equal(s.whole, s.param.full_tensor())]
     fczero.refresh_params(model)
     still = [s for s in states if not torch.equal(s.whole, s.param.full_tensor())]
@@ -273,7 +273,7 @@ def test_stage1_compiled_all_reduces_are_bucketed(fake_pg):
 
 def test_stage1_eager_buckets_follow_reverse_registration(fake_pg):
     model = fczero.parallelize(TwoLayer(), init_device_mesh("cpu", (2,)), stage=1, comm_policy=fczero.CommPolicy(bucket_bytes=600))
-    red = stages.root_state(model).reducer
+    red = param_states.root_state(model).reducer
     names = {id(p): n for n, p in model.named_parameters()}
     plan = [[names[id(red.params[i][0])] for i in bucket] for bucket in red.buckets]
     # fc2.weight is 4*16*4 = 256 bytes, fc1.bias 64, fc1.weight 512: a 600-byte cap
@@ -287,7 +287,7 @@ def test_whole_copies_are_what_modules_read(fake_pg):
     with torch.no_grad():
         w = model.fc1.weight
     assert not isinstance(w, DTensor) and w.shape == (16, 8) and w.dtype == torch.bfloat16
-    assert w is stages.root_state(model).params[0].whole
+    assert w is param_states.root_state(model).params[0].whole
     assert model.fc1._parameters["weight"].to_local().shape == (8, 8)  # still sharded
 
 
