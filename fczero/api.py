@@ -222,11 +222,12 @@ def parallelize(
             )
     selective = options.selective_unsharding
     kept = None
+    last_reader = unsharding.by_last_owner(owners, specs_by_param)
     if selective and not options.auto_unsharding:
         budget, source = unsharding.budget_of(
             options.comm.keep_unsharded, first_owner, dp_mesh.size(), _offload_named(options)
         )
-        kept = unsharding.plan_kept_params(first_owner, budget, source)
+        kept = unsharding.plan_kept_params(last_reader, budget, source)
         if kept.budget:
             logger.info("selective unsharding: %s", unsharding.describe(kept))
         for key in kept.ids:
@@ -255,7 +256,7 @@ def parallelize(
             groups.append(layout.replicate_mesh.get_group())
         root.auto_unsharding = unsharding.AutoUnsharding(
             model,
-            [(path, states[id(specs_by_param[id(p)][0])]) for path, p, _ in first_owner],
+            [(path, states[id(specs_by_param[id(p)][0])]) for path, p, _ in last_reader],
             options.memory_budget,
             mesh_device(dp_mesh),
             groups,

@@ -503,3 +503,40 @@ def test_auto_on_cuda_reads_the_allocator_peak():
         assert 2**20 < peak < 2**32  # what the plan read: a real, plausible peak
     for regathers, kept, blocks, source, _ in tight:
         assert regathers == [4, 4, 4, 4] and kept == [] and blocks == (), source
+
+
+class TiedEnds(torch.nn.Module):
+    """An input layer whose weight the output layer reads again (tied), around three
+    blocks: the shared weight is read first and last in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(512, 512, bias=False)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(512, 512) for _ in range(3))
+        self.out = torch.nn.Linear(512, 512, bias=False)
+        self.out.weight = self.inp.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.out(x)
+
+
+def test_a_shared_weight_is_kept_where_it_is_read_last(fake_pg):
+    """[Note: a shared param is kept where it is read last]: the tied weight comes first
+    in line (the head's backward opens backward), ahead of the last block, and its
+    backward regather is gone."""
+    tied = 512 * 512 * 4
+    policy = fczero.CommPolicy(keep_unsharded=tied, prefetch=0)
+    model = fczero.parallelize(TiedEnds(), init_device_mesh("cpu", (2,)), comm_policy=policy)
+    assert sorted(_kept(model)) == ["inp.weight", "out.weight"]  # one param, two owners
+    assert root_state(model).kept.blocks == ("out",)
+    loss = model(torch.randn(4, 512, requires_grad=True)).sum()
+    with CollectiveLog() as bwd:
+        loss.backward()
+    assert bwd.count("all_gather_into_tensor") == 3 * 2  # the blocks' weights and biases only
+    # a budget for the last block and the tied weight keeps both
+    policy = fczero.CommPolicy(keep_unsharded=tied + BLOCK)
+    model = fczero.parallelize(TiedEnds(), init_device_mesh("cpu", (2,)), comm_policy=policy)
+    assert root_state(model).kept.blocks == ("blocks.2", "out")
