@@ -12,6 +12,10 @@ attribute (``_fczero``) through which a module, a model or an optimizer reaches 
   context of its forward, the settings of its compiled passes).
 - ``OptimizerState``: the ``_fczero`` attribute of an optimizer that holds fczero params
   (offload handles, whether it steps in parts, the states it holds).
+- Records that those hold and the layers above fill or extend: ``Unit``, ``KeptPlan``,
+  ``GatherOrder`` and ``EagerForward`` (the eager runtime's ``EagerPrefetch`` and
+  ``EagerContext`` extend them), ``AutoPlan``, ``LocalView``, ``StateOffload``. Every slot is
+  typed by one of them, and nothing here imports a layer above.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ class OptimizerState:
     )  # fmt: skip
 
     def __init__(self) -> None:
-        self.offload: list[Any] = []  # OptimizerOffload handles (fczero.offload.optimizer)
+        self.offload: list[StateOffload] = []  # its optimizer-state offloads (at most one)
         self.in_parts = False  # set while it steps part of its params (one_step_in_parts)
         self.host_step_checked = False  # host memory checked for its host step (param offload)
         # its params when last looked up (and checked: none replaced by parallelize), and
@@ -78,8 +82,8 @@ class OptimizerState:
         self.roots: list[weakref.ref] = []
         # the local step's view of it, kept between steps, and the view swapped in while
         # a step runs (fczero.runtime.local_step)
-        self.view: Any = None
-        self.swap: Any = None
+        self.view: LocalView | None = None
+        self.swap: LocalView | None = None
 
     @staticmethod
     def of(optimizer: torch.optim.Optimizer) -> OptimizerState:
@@ -130,20 +134,20 @@ class RootState:
         # bytes, or the automatic planner (an ``AutoUnsharding`` of that module, which
         # imports this one)
         self.kept: KeptPlan | None = None
-        self.auto_unsharding: Any = None
-        # the eager runtime of this root (set by ``parallelize``): its prefetch (an
-        # ``EagerPrefetch``), whose recorded order lasts from forward to forward, and its
+        self.auto_unsharding: AutoPlan | None = None
+        # the eager runtime of this root (set by ``parallelize``): its gather order (the
+        # runtime's ``EagerPrefetch``), which lasts from forward to forward, and its
         # collective log (checked)
-        self.prefetch: Any = None
+        self.prefetch: GatherOrder | None = None
         self.eager_log: EagerLog | None = None
         # the compiled passes' settings for this root's graphs (set by ``parallelize``;
         # None: ``compile_passes=False``), with what compiling under them produced
         # ([Note: from a graph to its root] in ``fczero.passes.registry``)
         self.passes: PassSettings | None = None
         # the forwards of this root running now, innermost last: the context each runs in
-        # (an ``EagerContext``), and what it opened itself there (its own context; its log
-        # in a joined one)
-        self.forwards: list[tuple[Any, bool, bool]] = []
+        # (the runtime's ``EagerContext``), and what it opened itself there (its own
+        # context; its log in a joined one)
+        self.forwards: list[tuple[EagerForward, bool, bool]] = []
         # the unit gathered again for a recompute in backward (``fczero.runtime.wiring``)
         self.recomputing: Unit | None = None
         # the unit whose eager forward began last, held weakly: the next unit's
@@ -159,8 +163,8 @@ class RootState:
         return bool(self.forwards)
 
     @property
-    def context(self) -> Any:
-        """The ``EagerContext`` of this root's running forward (None between forwards)."""
+    def context(self) -> EagerForward | None:
+        """The context of this root's running eager forward (None between forwards)."""
         return self.forwards[-1][0] if self.forwards else None
 
     @property
@@ -318,6 +322,91 @@ class Unit:
     # the unit whose forward began just before this one's in the last eager forward, held
     # weakly (backward prefetches its regather: [Note: regathers for a recompute])
     previous: weakref.ref[Unit] | None = None
+
+
+class GatherOrder:
+    """A root's eager gathers in the order its last forward asked for them, and the buckets
+    planned over that order: what the next forward replays, prefetching ahead.
+
+    A record: ``fczero.runtime.prefetch.EagerPrefetch`` extends it with the replay itself,
+    and ``parallelize`` makes one per root. Selective unsharding forgets the order when its
+    plan changes what is gathered (``order = None``: the next forward records anew)."""
+
+    def __init__(self, window: int, bucket_bytes: int) -> None:
+        self.window = window  # unsharded bytes issued ahead of the gather asked for
+        self.bucket_bytes = bucket_bytes
+        # (spec, param, inside a selective-checkpoint region) of each gather, in order
+        self.order: list[tuple[ShardSpec, torch.Tensor, bool]] | None = None
+        self.sizes: list[int] = []  # unsharded bytes of each recorded gather
+        self.bucket_of: dict[int, list[int]] = {}  # position -> its bucket (positions)
+        # position -> unsharded bytes that issuing it issues (its whole bucket's, if any)
+        self.issue_bytes: list[int] = []
+
+
+class EagerForward:
+    """One eager forward of a root while it runs, as ``RootState.forwards`` holds it: the
+    root that opened it, the collective log it writes to (``check_policy``; else None)
+    and the gathered params it keeps until it ends (a tied param that a module outside its
+    unit reads: [Note: a param that two units read] in ``fczero.runtime.units``).
+
+    A record: ``fczero.runtime.prefetch.EagerContext`` extends it with the prefetch and the
+    reshard scope it runs, and is the only kind the runtime puts on ``RootState.forwards``."""
+
+    def __init__(self, owner: RootState, log: EagerLog | None) -> None:
+        self.owner = owner
+        self.log = log
+        self.held: list[ParamState] = []
+
+
+class AutoPlan:
+    """``keep_unsharded="auto"``'s progress, as a root holds it: optimizer steps counted so
+    far, and the plan once made. A record: ``fczero.core.unsharding.AutoUnsharding``
+    extends it with the counting and the planning."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.plan: KeptPlan | None = None
+
+
+@dataclass
+class LocalEntry:
+    """One param's optimizer states, as the optimizer holds them and as the local step
+    sees them ([Note: local step] in ``fczero.runtime.local_step``)."""
+
+    states: dict  # the optimizer's own state dict of the param (DTensor values)
+    local: dict  # the same keys, each DTensor value replaced by its local tensor
+
+
+@dataclass
+class LocalView:
+    """An optimizer's sharded params and states seen as local tensors, which
+    ``fczero.runtime.local_step`` builds once and keeps while what it was built from is
+    the same objects (checked every step, by identity: [Note: checking the view in
+    bulk]), so a step swaps a few references instead of rebuilding a dict per param."""
+
+    params: tuple[torch.Tensor, ...]  # the optimizer's params, flat (the step hooks' tuple)
+    state: dict  # the ``optimizer.state`` it was built from
+    keys: tuple  # its keys then, in order
+    dicts: tuple[dict, ...]  # its per-param state dicts then, in the same order
+    values: tuple  # every value of those dicts, flat, as the last step left them
+    groups: list[list[torch.Tensor]]  # each group's own params list
+    sizes: list[int]  # their lengths then
+    local_groups: list[list[torch.Tensor]]  # the same lists of local tensors
+    locals_: tuple[torch.Tensor, ...]  # each param's local tensor, flat
+    entries: list[LocalEntry | None]  # each param's states (None: it had none)
+    local_dicts: tuple[dict, ...]  # the entries' ``local`` dicts
+    local_values: tuple  # every value of those, flat, as the last step left them
+    local_state: dict  # what ``optimizer.state`` is during the step: local -> local states
+    with_states: int  # how many entries are not None (``local_state``'s length when built)
+
+
+class StateOffload:
+    """An optimizer-state offload, as its optimizer's record lists it: the optimizer whose
+    states it keeps in host memory. A record: ``fczero.offload.optimizer.OptimizerOffload``
+    extends it with the hooks that do it (the local step leaves such an optimizer alone)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
 
 
 def _reused_out_of_pool(state: weakref.ref) -> None:

@@ -70,7 +70,7 @@ import logging
 import re
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -78,7 +78,7 @@ import torch.distributed as dist
 from fczero.comm import collectives
 from fczero.core.memory import budget_and_peak
 from fczero.core.policies import SHARD
-from fczero.core.state import KeptPlan, root_state
+from fczero.core.state import AutoPlan, KeptPlan, root_state
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -211,7 +211,15 @@ def describe(plan: KeptPlan) -> str:
     )
 
 
-class AutoUnsharding:
+def after_step(root: RootState) -> None:
+    """After every optimizer step that updates ``root``'s params: count it, and plan once
+    the count is reached, under ``keep_unsharded="auto"`` (else nothing)."""
+    auto = root.auto_unsharding
+    if auto is not None:
+        cast(AutoUnsharding, auto).after_step()  # (the only kind parallelize sets)
+
+
+class AutoUnsharding(AutoPlan):
     """``keep_unsharded="auto"``: counts optimizer steps, then plans once ([Note:
     automatic selective unsharding])."""
 
@@ -228,8 +236,7 @@ class AutoUnsharding:
         self.memory_budget = memory_budget
         self.device = device
         self.groups = groups  # every axis of the model's mesh: the minimum is global
-        self.steps = 0
-        self.plan: KeptPlan | None = None
+        super().__init__()
 
     def after_step(self) -> None:
         """Called after every optimizer step that updates this model's params."""
@@ -276,7 +283,7 @@ class AutoUnsharding:
             keep_exactly(root, ids)
 
 
-def report_line(kept: KeptPlan | None, auto: AutoUnsharding | None) -> str | None:
+def report_line(kept: KeptPlan | None, auto: AutoPlan | None) -> str | None:
     """What ``fczero.memory_report`` says of selective unsharding (None: not in use)."""
     if auto is not None:
         if auto.plan is None:

@@ -53,7 +53,13 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fczero.core import offload_sizing, streams, unsharding
-from fczero.core.state import OptimizerState, compute_device_of, optimizer_state, options_of
+from fczero.core.state import (
+    OptimizerState,
+    StateOffload,
+    compute_device_of,
+    optimizer_state,
+    options_of,
+)
 from fczero.offload import state_budget
 from fczero.runtime.step_hooks import one_step_in_parts, roots_of
 
@@ -194,7 +200,7 @@ class _StandIn:
     proxy: nn.Parameter
 
 
-class OptimizerOffload:
+class OptimizerOffload(StateOffload):
     """The hooks that keep one optimizer's states in host memory; see the module docstring."""
 
     def __init__(
@@ -205,7 +211,7 @@ class OptimizerOffload:
         chunk_bytes: int | None,
         memory_budget: int | None = None,
     ) -> None:
-        self.optimizer = optimizer
+        super().__init__(optimizer)
         self.auto = device_bytes == "auto"
         self.device_bytes = 0 if self.auto else device_bytes
         self.memory_budget = memory_budget

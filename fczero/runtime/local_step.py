@@ -47,14 +47,13 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import attrgetter, is_
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from fczero.core.state import OptimizerState, optimizer_state
+from fczero.core.state import LocalEntry, LocalView, OptimizerState, optimizer_state
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -69,44 +68,14 @@ ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
 """Optimizer types (exact) whose update is elementwise: they step on local shards."""
 
 
-@dataclass
-class _Entry:
-    """One param's states, as the optimizer holds them and as the local step sees them."""
-
-    states: dict  # the optimizer's own state dict of the param (DTensor values)
-    local: dict  # the same keys, each DTensor value replaced by its local tensor
-
-
-@dataclass
-class _View:
-    """An optimizer's sharded params and states seen as local tensors: built once, kept
-    while what it was built from is the same objects (checked every step, by identity),
-    so a step swaps a few references instead of rebuilding a dict per param.
-
-    [Note: checking the view in bulk]
-    The checks compare whole sequences of objects by identity (``_same_objects``) instead
-    of looking each param up in ``optimizer.state``: a tensor key hashes through Python
-    (``Tensor.__hash__``), and a loop of per-param lookups and comparisons cost 53 us of
-    the 157 us that entering and leaving a local step took on the 115-param toy of
-    ``bench.host_cost`` (2-core CPU, torch 2.13). ``optimizer.state``'s keys and per-param
-    dicts, in order, and every value of those dicts, flat, stand for the mapping:
-    replacing, adding or removing any of them changes one of the sequences or its length."""
-
-    params: tuple[torch.Tensor, ...]  # the optimizer's params, flat (the step hooks' tuple)
-    state: dict  # the ``optimizer.state`` it was built from
-    keys: tuple  # its keys then, in order
-    dicts: tuple[dict, ...]  # its per-param state dicts then, in the same order
-    values: tuple  # every value of those dicts, flat, as the last step left them
-    groups: list[list[torch.Tensor]]  # each group's own params list
-    sizes: list[int]  # their lengths then
-    local_groups: list[list[torch.Tensor]]  # the same lists of local tensors
-    locals_: tuple[torch.Tensor, ...]  # each param's local tensor, flat
-    entries: list[_Entry | None]  # each param's states (None: it had none)
-    local_dicts: tuple[dict, ...]  # the entries' ``local`` dicts
-    local_values: tuple  # every value of those, flat, as the last step left them
-    local_state: dict  # what ``optimizer.state`` is during the step: local -> local states
-    with_states: int  # how many entries are not None (``local_state``'s length when built)
-
+# [Note: checking the view in bulk]
+# The checks compare whole sequences of objects by identity (``_same_objects``) instead
+# of looking each param up in ``optimizer.state``: a tensor key hashes through Python
+# (``Tensor.__hash__``), and a loop of per-param lookups and comparisons cost 53 us of
+# the 157 us that entering and leaving a local step took on the 115-param toy of
+# ``bench.host_cost`` (2-core CPU, torch 2.13). ``optimizer.state``'s keys and per-param
+# dicts, in order, and every value of those dicts, flat, stand for the mapping:
+# replacing, adding or removing any of them changes one of the sequences or its length.
 
 _local_of = attrgetter("_local_tensor")
 _spec_of = attrgetter("_spec")
@@ -140,7 +109,7 @@ def _same_layout(t: torch.Tensor, param: DTensor) -> bool:
 
 def _build(
     optimizer: torch.optim.Optimizer, params: tuple, sharded: frozenset[int]
-) -> _View | None:
+) -> LocalView | None:
     """The view of ``optimizer``, or None if its step must run on DTensors: a param that is
     not a sharded param, a state laid out unlike its param, or per-param states that are
     not plain dicts."""
@@ -151,7 +120,7 @@ def _build(
     dicts = tuple(state.values())
     if any(type(d) is not dict for d in dicts):
         return None
-    entries: list[_Entry | None] = []
+    entries: list[LocalEntry | None] = []
     local_state = type(state)(dict) if isinstance(state, defaultdict) else {}
     for p in params:
         states = state.get(p)
@@ -161,10 +130,10 @@ def _build(
         if any(isinstance(v, DTensor) and not _same_layout(v, p) for v in states.values()):
             return None
         local = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in states.items()}
-        entries.append(_Entry(states, local))
+        entries.append(LocalEntry(states, local))
         local_state[p._local_tensor] = local
     local_dicts = tuple(e.local for e in entries if e is not None)
-    return _View(
+    return LocalView(
         params=params,
         state=state,
         keys=tuple(state),
@@ -182,7 +151,7 @@ def _build(
     )
 
 
-def _still_holds(view: _View, optimizer: torch.optim.Optimizer, params: tuple) -> bool:
+def _still_holds(view: LocalView, optimizer: torch.optim.Optimizer, params: tuple) -> bool:
     """Is ``view`` still a view of ``optimizer``: the same param tuple, groups, state
     mapping, per-param state dicts and values, and local tensors ([Note: checking the
     view in bulk])?"""
@@ -271,7 +240,7 @@ def restore(optimizer: torch.optim.Optimizer) -> None:
                 view.state[p] = {k: _as_state_of(p, v, None) for k, v in made.items()}
 
 
-def _write_back(param: DTensor, entry: _Entry) -> None:
+def _write_back(param: DTensor, entry: LocalEntry) -> None:
     """Give the optimizer's dict the DTensor (or plain) counterpart of each state value the
     step replaced or added (``restore`` then refreshes the view's flat sequences)."""
     for key, value in entry.local.items():

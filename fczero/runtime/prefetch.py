@@ -28,7 +28,7 @@ param goes through ``gather_eagerly``, which finds it on the param's root.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 import torch.utils.checkpoint
@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from fczero.comm import collectives, consistency
 from fczero.core.spec import eager_local, local_shard
+from fczero.core.state import EagerForward, GatherOrder
 from fczero.runtime import eager_buckets, resharding
 
 if TYPE_CHECKING:
@@ -59,17 +60,12 @@ class _Member(NamedTuple):
     index: int
 
 
-class EagerPrefetch:
-    """Per-root state: the recorded gather order and one forward's prefetched gathers."""
+class EagerPrefetch(GatherOrder):
+    """A root's gather order (the record it extends) and the replay of one forward's
+    gathers: the prefetched ones, and where the forward stands in the order."""
 
     def __init__(self, window: int, bucket_bytes: int = 0) -> None:
-        self.window = window
-        self.bucket_bytes = bucket_bytes
-        self.order: list[Recorded] | None = None
-        self.sizes: list[int] = []  # unsharded bytes of each recorded gather
-        self.bucket_of: dict[int, list[int]] = {}  # position -> its bucket (positions)
-        # position -> unsharded bytes that issuing it issues (its whole bucket's, if any)
-        self.issue_bytes: list[int] = []
+        super().__init__(window, bucket_bytes)
         # the regather buckets of backward, kept from one reshard scope to the next
         self.regather_plans = resharding.RegatherPlans(bucket_bytes)
         # this forward's gathers where they part from ``order`` (None while they follow it)
@@ -182,10 +178,11 @@ def _in_selective_checkpoint() -> bool:
     )
 
 
-class EagerContext:
-    """What one eager forward of a parallelized root runs in: the root's ``EagerPrefetch``,
-    the reshard scope of this forward (stage 3 that frees params after forward; else None)
-    and the collective log of a checked forward (``check_policy``; else None).
+class EagerContext(EagerForward):
+    """What one eager forward of a parallelized root runs in: the record it extends (the
+    root, the collective log of a checked forward, the params held to the end), the root's
+    ``EagerPrefetch`` and the reshard scope of this forward (stage 3 that frees params
+    after forward; else None).
 
     The root's forward pre-hook makes one and ``open``s it; its forward hook ``close``s it,
     also when the forward raised. A root whose forward starts inside an open context's
@@ -195,18 +192,14 @@ class EagerContext:
 
     def __init__(
         self,
-        owner: object,
+        owner: RootState,
         prefetch: EagerPrefetch,
         scope: resharding.ReshardScope | None = None,
         log: consistency.EagerLog | None = None,
     ) -> None:
-        self.owner = owner  # the root that opened it (a ``RootState``)
+        super().__init__(owner, log)
         self.prefetch = prefetch
         self.scope = scope
-        self.log = log
-        # gathered params that outlive their unit's forward (a tied param read by a module
-        # outside its unit), let go when this forward ends
-        self.held: list[ParamState] = []
 
     def open(self) -> None:
         self.prefetch.start()
@@ -262,12 +255,24 @@ def gather_eagerly(state: ParamState, param: torch.Tensor) -> torch.Tensor:
     if spec.is_scalar:
         return spec.gather_scalar(local_shard(param))
     param = state.differentiated(param)
-    context = state.root.context
+    context = running(state.root)
     if context is not None:
         full = context.gather(spec, param)
     else:
         full = collectives.settle(spec.gather(eager_local(param)))
     return full if spec.tensor_parallel is None else spec.tensor_parallel.wrap(full)
+
+
+def running(root: RootState) -> EagerContext | None:
+    """The context of ``root``'s running eager forward (None between forwards): an
+    ``EagerContext``, the only kind ``enter_forward`` puts on ``RootState.forwards``."""
+    return cast("EagerContext | None", root.context)
+
+
+def prefetch_of(root: RootState) -> EagerPrefetch:
+    """``root``'s gather order as the runtime runs it: the ``EagerPrefetch`` that
+    ``parallelize`` gives every root."""
+    return cast(EagerPrefetch, root.prefetch)
 
 
 def find_open() -> EagerContext | None:
@@ -303,10 +308,11 @@ def enter_forward(root: RootState) -> None:
     context = find_open()
     opened = context is None
     if opened:
+        prefetch = prefetch_of(root)
         scope = None
         if root.options.selective_unsharding:  # stages 1/2 gather nothing
-            scope = resharding.ReshardScope(root.prefetch.window, root.prefetch.regather_plans)
-        context = EagerContext(root, root.prefetch, scope, root.eager_log)
+            scope = resharding.ReshardScope(prefetch.window, prefetch.regather_plans)
+        context = EagerContext(root, prefetch, scope, root.eager_log)
     logs = not opened and context.log is None and root.eager_log is not None
     if logs:  # checked, inside a forward that is not: log the gathers from here on
         context.log = root.eager_log
@@ -321,7 +327,8 @@ def exit_forward(root: RootState, raised: bool) -> None:
     """A root's eager forward ended (``raised``: by an exception): close what it opened."""
     if not root.forwards:
         return  # (its pre-hook never ran: an earlier hook raised)
-    context, opened, logs = root.forwards.pop()
+    record, opened, logs = root.forwards.pop()
+    context = cast(EagerContext, record)  # (what enter_forward pushed)
     if opened:
         context.close(raised)
     elif logs:

@@ -56,6 +56,7 @@ from fczero.runtime import eager_buckets
 
 if TYPE_CHECKING:
     from fczero.core.spec import ShardSpec
+    from fczero.core.state import EagerForward
 
 
 @dataclass
@@ -106,7 +107,7 @@ class ReshardScope:
     ends; the recipes packed meanwhile keep it alive until backward has unpacked them."""
 
     def __init__(self, window: int = 0, plans: RegatherPlans | None = None) -> None:
-        self.owner: Any = None  # what opened it, while it is open (an ``EagerContext``)
+        self.owner: EagerForward | None = None  # the forward that opened it, while open
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self.window = window  # unsharded bytes of backward regathers issued ahead
         # the root's regather buckets (with a window only; none without a root's)
@@ -134,7 +135,7 @@ class ReshardScope:
         self._unissued: list[int] | None = None
         self.draining = False  # a callback will wait for leftovers when backward ends
 
-    def open(self, owner: Any) -> None:
+    def open(self, owner: EagerForward) -> None:
         """Install this scope's saved-tensor hooks (innermost) for the forward ``owner`` runs."""
         self.owner = owner
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)

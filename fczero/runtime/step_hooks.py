@@ -28,7 +28,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from fczero.core import offload_sizing, streams
+from fczero.core import offload_sizing, streams, unsharding
 from fczero.core.state import (
     OptimizerState,
     ParamState,
@@ -120,8 +120,7 @@ def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> 
             mine = [s for s in root.params if id(s) in wholes]
             if mine:
                 refresh(mine)
-        if root.auto_unsharding is not None:
-            root.auto_unsharding.after_step()
+        unsharding.after_step(root)
 
 
 #: The handles of fczero's one pair of global optimizer step hooks: torch keeps such hooks

@@ -62,6 +62,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from fczero.core.state import ATTR, ParamState, Unit, module_state
 from fczero.runtime import recompute
+from fczero.runtime.prefetch import running
 from fczero.runtime.wiring import unsharded_param
 
 logger = logging.getLogger("fczero")
@@ -414,7 +415,7 @@ def _enter(unit: Unit) -> None:
         root = unit.states[0].root
         unit.previous, root.last_unit = root.last_unit, weakref.ref(unit)
         fulls = together([unsharded_param(s, s.param, False) for s in unit.states])
-        context = root.context
+        context = running(root)
         if context is not None and context.scope is not None:
             context.scope.group(fulls)  # regathered in backward as one unit too
     _allow_side_effects(_hold, unit, fulls)

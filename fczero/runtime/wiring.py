@@ -33,7 +33,7 @@ from fczero.comm import collectives
 from fczero.comm.whole_grads import whole_param
 from fczero.core.spec import gather_traced, local_shard, recompute_everything
 from fczero.core.state import ATTR, ParamState, RootState, Unit
-from fczero.runtime.prefetch import gather_eagerly
+from fczero.runtime.prefetch import gather_eagerly, running
 
 #: (user class, param names, in units) -> its wired subclass. Per process: a generated class holds
 #: no state of a model, so every model with such a module shares it; held weakly (it
@@ -173,7 +173,7 @@ def _gather_without_grad(state: ParamState, param: torch.Tensor, compiling: bool
             spec.gather, local, use_reentrant=False, context_fn=recompute_everything
         )
     full = collectives.settle(spec.gather(local))  # (a view of it would never wait)
-    context = state.root.context
+    context = running(state.root)
     if context is not None:
         context.register(full, spec, param)  # saved views regather in backward
     return full
