@@ -408,7 +408,11 @@ def _enter(unit: Unit) -> None:
         return
     compiling = torch.compiler.is_compiling()
     if compiling:  # (a compiled graph issues the same collectives on every rank anyway)
-        fulls = [unsharded_param(s, s.leaf, True) for s in unit.states]
+        # inside a checkpointed block, an accumulation's bookkeeping writes to the states
+        # (the synced micro-batch drops each accumulator, a kept param's reused gather):
+        # Dynamo accepts the writes there as it does the unit's own record, instead of
+        # breaking the graph and running the whole forward frame eagerly from then on
+        fulls = _allow_side_effects(_gathered_traced, unit)
     elif recompute.in_backward():  # a checkpoint recomputes the unit
         fulls = recompute.regather(unit) or [unsharded_param(s, s.param, False) for s in unit.states]
     else:
@@ -419,6 +423,10 @@ def _enter(unit: Unit) -> None:
         if context is not None and context.scope is not None:
             context.scope.group(fulls)  # regathered in backward as one unit too
     _allow_side_effects(_hold, unit, fulls)
+
+
+def _gathered_traced(unit: Unit) -> list[torch.Tensor]:
+    return [unsharded_param(s, s.leaf, True) for s in unit.states]
 
 
 def _leave(unit: Unit) -> None:

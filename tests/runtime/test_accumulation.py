@@ -67,6 +67,11 @@ def test_accumulation_matches_one_large_batch(traces, case):
         # compiled during the first step only: later steps reuse them
         assert frames[0] > 0
         assert frames[-1] == frames[0], f"recompiled after the first step: {frames}"
+    if case == ("gqa", 3, "aot_eager_with_passes", 2, "context"):
+        # checkpointed blocks: the synced micro-batch's bookkeeping inside each checkpoint
+        # breaks no graph, so the whole model is one unsynced and one synced graph (it was
+        # 6 frames, the forward falling back to eager around per-block graphs)
+        assert frames[0] == 2, frames
 
 
 GPU_CASES = [
