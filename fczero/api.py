@@ -27,7 +27,7 @@ from fczero.core import meta_init as meta_device_init
 from fczero.core.config import Options
 from fczero.core.policies import CheckPolicy, CommPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fczero.core.spec import ShardSpec, mesh_device, quiet_gather_checkpoint_note, shard_tensor
-from fczero.core.state import ATTR, root_state
+from fczero.core.state import ATTR, KeptPlan, RootState, root_state
 from fczero.offload import params as param_offload
 from fczero.offload import partition as offload_partition
 from fczero.passes import registry
@@ -163,20 +163,7 @@ def parallelize(
     dp_mesh = layout.shard_mesh
     owners = _validate_model(model, layout)
     unit_paths = gather_units.unit_paths(model, units)  # (checks ``units`` before any change)
-    one_axis = layout.replicate_axis is None and not any(
-        isinstance(p, DTensor) for *_, p in owners
-    )  # no HSDP, no tensor-parallel params
-    if options.stage != 3 and not one_axis:
-        raise ValueError(
-            f"fczero: stage={options.stage} is not supported with HSDP (replicate_axis) or "
-            "tensor-parallel params yet; use stage=3 (the default) on such meshes."
-        )
-    plain_stage3 = options.stage == 3 and one_axis
-    if options.offload.params and not plain_stage3:
-        raise ValueError(
-            "fczero: OffloadPolicy.params needs stage=3 on a mesh without replicate or "
-            "tensor-parallel axes; drop the offload_policy, or shard with stage=3 over one axis."
-        )
+    plain_stage3 = _plain_stage3(options, layout, owners)
     reduce_group = _separate_reduce_group(options, dp_mesh, plain_stage3)
     params = list(model.named_parameters())  # each param once, under its first name
     names = {id(p): n for n, p in params}
@@ -202,17 +189,7 @@ def parallelize(
     specs_by_param: dict[int, tuple[nn.Parameter, ShardSpec]] = {}
     if meta_plan is not None:
         specs_by_param = meta_device_init.init_and_shard(meta_plan, dp_mesh, options)
-    originals: dict[int, nn.Parameter] = {}
-    first_owner: list[tuple[str, torch.Tensor, ShardSpec]] = []
-    for path, _, _, param in owners:
-        if id(param) in originals:
-            continue  # a param shared by several modules is sharded once
-        if id(param) not in specs_by_param:  # (meta-device params are sharded already)
-            specs_by_param[id(param)] = shard_tensor(
-                param, dp_mesh, options, param.requires_grad, layout.for_param(param)
-            )
-        originals[id(param)] = param
-        first_owner.append((path, param, specs_by_param[id(param)][1]))
+    originals = _shard_params(owners, specs_by_param, layout, options)
     # the name this root's collectives carry: [Note: a root's group name]
     root_name = root_group_name(dp_mesh.get_group(), model)
     if root_name != group_name or reduce_group is not None:
@@ -221,18 +198,10 @@ def parallelize(
                 spec, group_name=root_name, reduce_group=reduce_group
             )
     selective = options.selective_unsharding
-    kept = None
     last_reader = unsharding.by_last_owner(owners, specs_by_param)
+    kept = None
     if selective and not options.auto_unsharding:
-        budget, source = unsharding.budget_of(
-            options.comm.keep_unsharded, first_owner, dp_mesh.size(), _offload_named(options)
-        )
-        kept = unsharding.plan_kept_params(last_reader, budget, source)
-        if kept.budget:
-            logger.info("selective unsharding: %s", unsharding.describe(kept))
-        for key in kept.ids:
-            sharded, spec = specs_by_param[key]
-            specs_by_param[key] = sharded, dataclasses.replace(spec, keep_unsharded=True)
+        kept = _plan_kept(last_reader, specs_by_param, options, dp_mesh.size())
     _offload_params(specs_by_param, dp_mesh, options)
     wiring: dict[nn.Module, list[str]] = {}
     for _, module, name, param in owners:
@@ -271,19 +240,7 @@ def parallelize(
         registry.register(name, root)  # ([Note: from a graph to its root])
 
     guards.protect(model, params)  # ``params`` holds the replaced (old) params
-    # Eager prefetch issues gathers from the order recorded on an earlier step, ahead of
-    # the code that uses them: a rank-dependent branch would pair unrelated collectives
-    # before the eager check at the end of forward could name it. So checking turns it off.
-    comm = options.comm
-    window = 0 if options.check is not None else comm.bucket_bytes * comm.prefetch
-    root.prefetch = eager_prefetch.EagerPrefetch(window, comm.bucket_bytes)
-    if options.check is not None:
-        first_name = {id(p): n for n, p in params}
-        name_of = {id(sh): first_name[key] for key, (sh, _) in specs_by_param.items()}
-        named = {}  # the names a mismatch is reported with, by sharded param and by leaf
-        for state in root.params:
-            named[id(state.param)] = named[id(state.leaf)] = name_of.get(id(state.param), "a param")
-        root.eager_log = consistency.EagerLog(group_name, options.check.timeout_s, named)
+    _eager_runtime(root, params, specs_by_param, group_name)
     model.register_forward_pre_hook(_root_pre_forward, with_kwargs=True)
     model.register_forward_hook(_root_post_forward, always_call=True)
     if unit_paths:  # after the root's hooks: its unit gathers inside the forward's context
@@ -300,6 +257,92 @@ def parallelize(
         options,
     )
     return model
+
+
+def _shard_params(
+    owners: list,
+    specs_by_param: dict[int, tuple[nn.Parameter, ShardSpec]],
+    layout: MeshLayout,
+    options: Options,
+) -> dict[int, nn.Parameter]:
+    """Shard each param once (a param several modules share too) into ``specs_by_param``
+    (the meta-device path has filled it already); returns the original params by id."""
+    originals: dict[int, nn.Parameter] = {}
+    for _, _, _, param in owners:
+        if id(param) in originals:
+            continue
+        if id(param) not in specs_by_param:
+            specs_by_param[id(param)] = shard_tensor(
+                param, layout.shard_mesh, options, param.requires_grad, layout.for_param(param)
+            )
+        originals[id(param)] = param
+    return originals
+
+
+def _plan_kept(
+    last_reader: list[tuple[str, torch.Tensor, ShardSpec]],
+    specs_by_param: dict[int, tuple[nn.Parameter, ShardSpec]],
+    options: Options,
+    world: int,
+) -> KeptPlan:
+    """Selective unsharding planned at ``parallelize`` ([Note: selective unsharding]):
+    the kept params' specs say so in ``specs_by_param``."""
+    budget, source = unsharding.budget_of(
+        options.comm.keep_unsharded, last_reader, world, _offload_named(options)
+    )
+    kept = unsharding.plan_kept_params(last_reader, budget, source)
+    if kept.budget:
+        logger.info("selective unsharding: %s", unsharding.describe(kept))
+    for key in kept.ids:
+        sharded, spec = specs_by_param[key]
+        specs_by_param[key] = sharded, dataclasses.replace(spec, keep_unsharded=True)
+    return kept
+
+
+def _plain_stage3(options: Options, layout: MeshLayout, owners: list) -> bool:
+    """Whether this is stage 3 over one mesh axis (no HSDP, no tensor-parallel params),
+    which some options need; refuses the combinations fczero does not support, before
+    anything changes."""
+    one_axis = layout.replicate_axis is None and not any(
+        isinstance(p, DTensor) for *_, p in owners
+    )
+    if options.stage != 3 and not one_axis:
+        raise ValueError(
+            f"fczero: stage={options.stage} is not supported with HSDP (replicate_axis) or "
+            "tensor-parallel params yet; use stage=3 (the default) on such meshes."
+        )
+    plain_stage3 = options.stage == 3 and one_axis
+    if options.offload.params and not plain_stage3:
+        raise ValueError(
+            "fczero: OffloadPolicy.params needs stage=3 on a mesh without replicate or "
+            "tensor-parallel axes; drop the offload_policy, or shard with stage=3 over one axis."
+        )
+    return plain_stage3
+
+
+def _eager_runtime(
+    root: RootState,
+    params: list[tuple[str, nn.Parameter]],
+    specs_by_param: dict[int, tuple[nn.Parameter, ShardSpec]],
+    group_name: str,
+) -> None:
+    """The root's eager prefetch and, under ``check_policy``, its collective log.
+
+    Eager prefetch issues gathers from the order recorded on an earlier step, ahead of
+    the code that uses them: a rank-dependent branch would pair unrelated collectives
+    before the eager check at the end of forward could name it. So checking turns it off."""
+    options = root.options
+    comm = options.comm
+    window = 0 if options.check is not None else comm.bucket_bytes * comm.prefetch
+    root.prefetch = eager_prefetch.EagerPrefetch(window, comm.bucket_bytes)
+    if options.check is None:
+        return
+    first_name = {id(p): n for n, p in params}
+    name_of = {id(sh): first_name[key] for key, (sh, _) in specs_by_param.items()}
+    named = {}  # the names a mismatch is reported with, by sharded param and by leaf
+    for state in root.params:
+        named[id(state.param)] = named[id(state.leaf)] = name_of.get(id(state.param), "a param")
+    root.eager_log = consistency.EagerLog(group_name, options.check.timeout_s, named)
 
 
 def is_parallelized(model: nn.Module) -> bool:
