@@ -54,7 +54,10 @@ torchrun's store (a fresh key prefix each time). Rank 0 writes, in ``--out``:
 - ``compile_time.jsonl``: one JSON object per depth, arm and cache state (every rank's
   numbers under ``ranks``; the top-level ones are rank 0's; rewritten by each run);
 - ``compile_time.md``: the table (depth x arm);
-- ``compile_time.png``: first step against depth, per arm (only where matplotlib imports).
+- ``compile_time.png``: first step against depth, per arm (only where matplotlib imports);
+- ``child_<arm>_<layers>_<caches>_rank<r>.log`` (every rank): each measurement's own output,
+  which says when it was built and when its first step ended, so a process that a time
+  limit cut off still tells how far it got.
 """
 
 from __future__ import annotations
@@ -230,8 +233,10 @@ def measure(spec: dict) -> dict:
     tokens = tokens.to(device)
     _sync(device, spec)
     build_s = time.perf_counter() - start
+    logger.info("built in %.1f s; first step (compiling) starts", build_s)
     passes_before = timing.total()
     first_s = _timed_step(arm.step, tokens, device)
+    logger.info("first step done in %.1f s", first_s)
     parts = compile_parts(timing.total() - passes_before)
     counts = compile_counts()
     later_s = _timed_step(arm.step, tokens, device)
@@ -343,7 +348,8 @@ def sweep(args: argparse.Namespace) -> list[dict]:
                         "result": str(cache / "result.json"),
                     }  # fmt: skip
                     index += 1
-                    record = _run_child(spec, cache, args.timeout)
+                    log = args.out / f"child_{arm}_{layers}_{caches}_rank{rank}.log"
+                    record = _run_child(spec, cache, args.timeout, log)
                     if rank == 0:
                         record.update(
                             layers=layers, arm=arm, caches=caches, params=cfg.num_params(),
@@ -358,7 +364,9 @@ def sweep(args: argparse.Namespace) -> list[dict]:
     return records
 
 
-def _run_child(spec: dict, cache: Path, timeout: float) -> dict:
+def _run_child(spec: dict, cache: Path, timeout: float, log: Path) -> dict:
+    """Run one measurement in a process of its own; its output goes to ``log``, which stays
+    when the process fails or is cut off (it says how far it got: built, first step done)."""
     env = {
         **os.environ,
         "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
@@ -367,15 +375,18 @@ def _run_child(spec: dict, cache: Path, timeout: float) -> dict:
     }
     Path(spec["result"]).unlink(missing_ok=True)
     start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.compile_time", "--child", json.dumps(spec)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False,
-    )  # fmt: skip
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench.compile_time", "--child", json.dumps(spec)],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+            timeout=timeout, check=False,
+        )  # fmt: skip
     process_s = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(
             f"{spec['arm']} at {spec['cfg']['n_layers']} layers failed (exit {proc.returncode}):\n"
-            + proc.stderr[-4000:]
+            + log.read_text()[-4000:]
         )
     if spec["rank"] != 0:
         return {}
@@ -442,14 +453,14 @@ def chart(records: list[dict], path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.child is not None:
-        return child(args)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
+        level=logging.INFO if rank == 0 or args.child is not None else logging.WARNING,
         format=f"[rank{rank} %(asctime)s] %(message)s",
         datefmt="%H:%M:%S",
     )
+    if args.child is not None:  # (its log goes to a file of the sweep: ``_run_child``)
+        return child(args)
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / RESULTS).unlink(missing_ok=True)

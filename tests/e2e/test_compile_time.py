@@ -32,6 +32,10 @@ def test_smoke_run_splits_each_first_step(tmp_path: Path, capsys) -> None:
     records = [json.loads(line) for line in (out / compile_time.RESULTS).read_text().splitlines()]
     arms = list(compile_time.DEFAULT_ARMS)
     assert [(r["layers"], r["arm"]) for r in records] == [(n, a) for n in (1, 2) for a in arms]
+    for n in (1, 2):  # each process leaves its log, which says how far it got
+        for a in arms:
+            log = (out / f"child_{a}_{n}_cold_rank0.log").read_text()
+            assert "first step (compiling) starts" in log and "first step done" in log, log
     for r in records:
         total = r["first_step_s"]
         parts = {p: r[f"{p}_s"] for p in compile_time.PARTS}
