@@ -210,7 +210,8 @@ def summarize(
     problems = []
     if any(recompiles):
         problems.append(f"recompiles after warm-up on ranks: {recompiles}")
-    if not all(math.isfinite(x) for w in windows for x in (*w["loss"], *w["mean_loss"]) if x is not None):
+    values = [x for w in windows for x in (*w["loss"], *w["mean_loss"]) if x is not None]
+    if not all(math.isfinite(x) for x in values):
         problems.append("a loss is not finite")
     growth = None
     if first_full["peak_mem_gib"] is not None:
@@ -256,7 +257,8 @@ def compare_losses(args: argparse.Namespace, windows: list[dict], reference: dic
     Each window's mean loss over its steps where both runs recorded it (a window's last
     loss alone is one step on one batch: near a memorized batch's zero it is noise), else
     its last loss (a reference written before the means were)."""
-    key = "mean_loss" if all(w.get("mean_loss", [None])[0] is not None for w in reference["windows"]) else "loss"
+    has_means = all(w.get("mean_loss", [None])[0] is not None for w in reference["windows"])
+    key = "mean_loss" if has_means else "loss"
     theirs = {w["end_step"]: w[key][0] for w in reference["windows"]}
     scaled = {
         w["end_step"]: abs(w[key][0] - theirs[w["end_step"]]) / max(abs(theirs[w["end_step"]]), 1.0)

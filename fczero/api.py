@@ -233,7 +233,9 @@ def parallelize(
     _move_buffers(model, dp_mesh)
     quiet_gather_checkpoint_note()
     if options.comm.compile_passes:
-        root.passes = _pass_settings(root_name, dp_mesh, options, layout.replicate_mesh, reduce_group)
+        root.passes = _pass_settings(
+            root_name, dp_mesh, options, layout.replicate_mesh, reduce_group
+        )
         install()
         offload_partition.install(required=options.offload.activations != "off")
     for name in (root_name, reduce_group) if reduce_group else (root_name,):

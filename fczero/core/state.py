@@ -369,7 +369,7 @@ class AutoPlan:
 
 
 @dataclass
-class LocalEntry:
+class LocalStates:
     """One param's optimizer states, as the optimizer holds them and as the local step
     sees them ([Note: local step] in ``fczero.runtime.local_step``)."""
 
@@ -393,7 +393,7 @@ class LocalView:
     sizes: list[int]  # their lengths then
     local_groups: list[list[torch.Tensor]]  # the same lists of local tensors
     locals_: tuple[torch.Tensor, ...]  # each param's local tensor, flat
-    entries: list[LocalEntry | None]  # each param's states (None: it had none)
+    entries: list[LocalStates | None]  # each param's states (None: it had none)
     local_dicts: tuple[dict, ...]  # the entries' ``local`` dicts
     local_values: tuple  # every value of those, flat, as the last step left them
     local_state: dict  # what ``optimizer.state`` is during the step: local -> local states

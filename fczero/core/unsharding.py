@@ -160,11 +160,10 @@ def by_last_owner(
     last: the head's backward, the first of backward, needs it gathered again, with no
     compute yet to hide that all-gather behind (on 2 x H200, Hugging Face's Llama 3B
     without checkpointing, the all-gather that opened backward ran 1.5 to 1.9 ms with
-    nothing beside it). The
-    plan walks blocks from the last one back, so listing the shared param under the
-    head puts it first in line to stay gathered. Its gathered copy is alive through the
-    forward anyway (the embedding reads it first, the head last), so keeping it until the
-    head's backward adds little to the peak."""
+    nothing beside it). The plan walks blocks from the last one back, so listing the
+    shared param under the head puts it first in line to stay gathered. Its gathered copy
+    is alive through the forward anyway (the embedding reads it first, the head last), so
+    keeping it until the head's backward adds little to the peak."""
     last: dict[int, tuple[str, torch.Tensor]] = {}
     for path, _, _, param in owners:
         last.pop(id(param), None)  # (re-inserted: dicts keep insertion order)

@@ -53,7 +53,7 @@ from operator import attrgetter, is_
 import torch
 from torch.distributed.tensor import DTensor
 
-from fczero.core.state import LocalEntry, LocalView, OptimizerState, optimizer_state
+from fczero.core.state import LocalStates, LocalView, OptimizerState, optimizer_state
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -120,7 +120,7 @@ def _build(
     dicts = tuple(state.values())
     if any(type(d) is not dict for d in dicts):
         return None
-    entries: list[LocalEntry | None] = []
+    entries: list[LocalStates | None] = []
     local_state = type(state)(dict) if isinstance(state, defaultdict) else {}
     for p in params:
         states = state.get(p)
@@ -130,7 +130,7 @@ def _build(
         if any(isinstance(v, DTensor) and not _same_layout(v, p) for v in states.values()):
             return None
         local = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in states.items()}
-        entries.append(LocalEntry(states, local))
+        entries.append(LocalStates(states, local))
         local_state[p._local_tensor] = local
     local_dicts = tuple(e.local for e in entries if e is not None)
     return LocalView(
@@ -240,7 +240,7 @@ def restore(optimizer: torch.optim.Optimizer) -> None:
                 view.state[p] = {k: _as_state_of(p, v, None) for k, v in made.items()}
 
 
-def _write_back(param: DTensor, entry: LocalEntry) -> None:
+def _write_back(param: DTensor, entry: LocalStates) -> None:
     """Give the optimizer's dict the DTensor (or plain) counterpart of each state value the
     step replaced or added (``restore`` then refreshes the view's flat sequences)."""
     for key, value in entry.local.items():

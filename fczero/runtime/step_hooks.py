@@ -101,7 +101,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) ->
     accumulation.check_before_step(states)
     record = OptimizerState.of(optimizer)
     if record.devices:
-        offload_sizing.check_host_step(optimizer, [s.param for s in states if s.spec.compute_device])
+        on_host = [s.param for s in states if s.spec.compute_device]
+        offload_sizing.check_host_step(optimizer, on_host)
         streams.wait_for_device(set(record.devices))
     local_step.enter(optimizer, record.params, record.sharded)
 

@@ -426,6 +426,7 @@ def _enter(unit: Unit) -> None:
 
 
 def _gathered_traced(unit: Unit) -> list[torch.Tensor]:
+    """The unit's params gathered as a compiled graph traces them."""
     return [unsharded_param(s, s.leaf, True) for s in unit.states]
 
 
