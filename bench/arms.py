@@ -357,13 +357,17 @@ def build_fczero_per_block(ctx: ArmContext) -> Arm:
 def build_fczero_compiled_reuse(ctx: ArmContext) -> Arm:
     """Whole-model compile with ``units.REUSE_BLOCKS``: one compiled body for every block of
     a class, the gathers outside it (experimental; restored when the arm closes)."""
+    import torch._functorch.config as functorch_config
+
     from fczero.runtime import units
 
     before, units.REUSE_BLOCKS = units.REUSE_BLOCKS, True
+    donated = functorch_config.donated_buffer  # (parallelize turns it off for the regions)
     arm = _fczero(ctx, compiled=True)
 
     def close() -> None:
         units.REUSE_BLOCKS = before
+        functorch_config.donated_buffer = donated
 
     return Arm(step=arm.step, keep=arm.keep, close=close)
 

@@ -140,6 +140,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--world", type=int, default=2, help="fake ranks on the CPU outside torchrun (default 2)")
     a("--seed", type=int, default=0)
     a("--timeout", type=float, default=3600.0, help="seconds one measurement may take")
+    a(
+        "--cache-details",
+        action="store_true",
+        help="write the parts of every compile-cache key beside each measurement's log "
+        "(child_....keys.txt): diff a warm run's against the cold run's to see why it missed",
+    )
     a("--child", help=argparse.SUPPRESS)  # one measurement, in a process of its own (JSON)
     args = p.parse_args(argv)
     if args.child is None:
@@ -157,11 +163,13 @@ def arm_names(args: argparse.Namespace) -> list[str]:
 
 def model_config(args: argparse.Namespace, layers: int) -> tuple[LlamaConfig, int, int]:
     """The Llama of one depth, and (batch, seq) per rank."""
-    if args.device == "cpu":
+    if args.device == "cpu":  # the smoke run's width; a Hugging Face preset keeps its kind
+        hf = bool(MODELS[args.model].get("hf"))
         base = {"dim": SMOKE["dim"], "heads": SMOKE["heads"], "kv_heads": None,
-                "ffn": SMOKE["ffn"], "vocab": SMOKE["vocab"], "checkpointing": "none"}  # fmt: skip
+                "ffn": SMOKE["ffn"], "vocab": SMOKE["vocab"],
+                "checkpointing": MODELS[args.model]["checkpointing"] if hf else "none"}  # fmt: skip
         batch, seq = int(SMOKE["batch"]), int(SMOKE["seq"])  # type: ignore[call-overload]
-        tie = False
+        tie = hf and bool(MODELS[args.model]["tie"])
     else:
         base = dict(MODELS[args.model])
         batch, seq = REGIMES["R" if args.model in ("llama3-3b", "hf-llama3-3b") else "M"]
@@ -204,14 +212,62 @@ def compile_parts(passes: timing.PassTime) -> dict[str, float]:
 
 
 def compile_counts() -> dict[str, int]:
-    """Graphs and frames Dynamo compiled in this process, and its graph breaks."""
+    """Graphs and frames Dynamo compiled in this process, its graph breaks, and what the
+    two compile caches did (``cache``: AOT autograd's and Inductor's FX graph cache hits,
+    misses and bypasses)."""
     counters = torch._dynamo.utils.counters
+    cache = {
+        f"{short}_{what}": int(counters[group][f"{key}_{what}"])
+        for short, group, key in (
+            ("aot", "aot_autograd", "autograd_cache"), ("fx", "inductor", "fxgraph_cache")
+        )
+        for what in ("hit", "miss", "bypass")
+    }  # fmt: skip
     return {
         "graphs": int(counters["stats"]["unique_graphs"]),
         "frames": int(counters["frames"]["ok"]),
         "graph_breaks": int(sum(counters["graph_break"].values())),
         "pass_graphs": timing.total().graphs,
+        "cache": cache,
     }
+
+
+class _CacheLog(logging.Handler):
+    """What the compile caches said while it is entered: why one refused a graph (torch
+    logs it at INFO), and with ``details`` the parts each cache key was made from (at
+    DEBUG), to compare a warm restart's keys with the cold run's."""
+
+    LOGGERS = ("torch._functorch._aot_autograd.autograd_cache", "torch._inductor.codecache")
+    DETAILS = ("FX graph cache hash details", "Autograd graph cache hash details")
+
+    def __init__(self, details: bool) -> None:
+        super().__init__(logging.DEBUG if details else logging.INFO)
+        self.level_wanted = self.level
+        self.reasons: list[str] = []
+        self.details: list[str] = []
+        self._levels: dict[str, int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Bypass"):
+            self.reasons.append(message[:300])
+        elif message.startswith(self.DETAILS):
+            self.details.append(message)
+
+    def __enter__(self) -> _CacheLog:
+        for name in self.LOGGERS:
+            log = logging.getLogger(name)
+            log.addHandler(self)
+            self._levels[name] = log.level
+            if not log.isEnabledFor(self.level_wanted):
+                log.setLevel(self.level_wanted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name in self.LOGGERS:
+            log = logging.getLogger(name)
+            log.removeHandler(self)
+            log.setLevel(self._levels[name])
 
 
 # ---- one measurement, in a process of its own ---------------------------------------------
@@ -235,7 +291,10 @@ def measure(spec: dict) -> dict:
     build_s = time.perf_counter() - start
     logger.info("built in %.1f s; first step (compiling) starts", build_s)
     passes_before = timing.total()
-    first_s = _timed_step(arm.step, tokens, device)
+    with _CacheLog(details=bool(spec.get("keys_file"))) as cache_log:
+        first_s = _timed_step(arm.step, tokens, device)
+    if spec.get("keys_file"):
+        Path(spec["keys_file"]).write_text("\n\n".join(cache_log.details) + "\n")
     logger.info("first step done in %.1f s", first_s)
     parts = compile_parts(timing.total() - passes_before)
     counts = compile_counts()
@@ -246,6 +305,7 @@ def measure(spec: dict) -> dict:
         **{f"{k}_s": v for k, v in parts.items()}, "rest_s": first_s - parts_sum,
         "later_step_s": later_s, **counts,
         "graph_break_reasons": sorted(torch._dynamo.utils.counters["graph_break"]),
+        "cache_bypass_reasons": sorted(set(cache_log.reasons)),
     }  # fmt: skip
 
 
@@ -343,13 +403,17 @@ def sweep(args: argparse.Namespace) -> list[dict]:
                         "arm": arm, "device": args.device, "backend": args.backend,
                         "cfg": dataclasses.asdict(cfg), "batch": batch, "seq": seq,
                         "seed": args.seed, "rank": rank, "world": world, "fake": not torchrun,
-                        "hf": args.device == "cuda" and bool(MODELS[args.model].get("hf")),
+                        "hf": bool(MODELS[args.model].get("hf")),
                         "timeout": args.timeout, "prefix": f"compile_time/{index}/",
                         "result": str(cache / "result.json"),
                     }  # fmt: skip
                     index += 1
                     log = args.out / f"child_{arm}_{layers}_{caches}_rank{rank}.log"
+                    if args.cache_details:
+                        spec["keys_file"] = str(log.with_suffix(".keys.txt"))
                     record = _run_child(spec, cache, args.timeout, log)
+                    if args.cache_details and caches == "warm":
+                        _say_key_differences(log.with_name(log.name.replace("_warm_", "_cold_")), log)
                     if rank == 0:
                         record.update(
                             layers=layers, arm=arm, caches=caches, params=cfg.num_params(),
@@ -394,6 +458,20 @@ def _run_child(spec: dict, cache: Path, timeout: float, log: Path) -> dict:
     return {**ranks[0], "process_s": process_s, "ranks": ranks}
 
 
+def _say_key_differences(cold_log: Path, warm_log: Path, most: int = 12) -> None:
+    """Log the cache-key parts of the warm run that the cold run's keys did not have (the
+    reason for a miss), each cut to one short line."""
+    def part(line: str) -> str:  # "[hash] name: value": the hash and name decide
+        return line.split(":", 1)[0] if line.startswith("[") else line
+
+    cold = {part(line) for line in cold_log.with_suffix(".keys.txt").read_text().splitlines()}
+    warm = warm_log.with_suffix(".keys.txt").read_text().splitlines()
+    new = [line for line in dict.fromkeys(warm) if part(line) not in cold]
+    logger.info("%d cache-key lines of the warm run are not in the cold run's", len(new))
+    for line in new[:most]:
+        logger.info("  new key part: %s", line[:200])
+
+
 def _append(out: Path, record: dict) -> None:
     with open(out / RESULTS, "a") as f:
         f.write(json.dumps(record) + "\n")
@@ -404,8 +482,20 @@ def _one_line(r: dict) -> str:
     return (
         f"{r['arm']}, {r['layers']} layers, {r['caches']}: first step {r['first_step_s']:.2f} s "
         f"({parts}, rest {r['rest_s']:.2f}); later step {r['later_step_s']:.3f} s; "
-        f"{r['graphs']} graphs"
+        f"{r['graphs']} graphs; {_cache_summary(r)}"
     )
+
+
+def _cache_summary(r: dict) -> str:
+    """``AOT 2 hit/0 miss/0 bypass, FX ...`` and the bypass reasons, if any."""
+    c = r.get("cache") or {}
+    text = ", ".join(
+        f"{name} {c.get(f'{key}_hit', 0)} hit/{c.get(f'{key}_miss', 0)} miss/"
+        f"{c.get(f'{key}_bypass', 0)} bypass"
+        for name, key in (("AOT cache", "aot"), ("FX cache", "fx"))
+    )
+    reasons = r.get("cache_bypass_reasons") or []
+    return text + (f" ({'; '.join(reasons)})" if reasons else "")
 
 
 # ---- the report -------------------------------------------------------------------------------

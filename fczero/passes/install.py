@@ -110,4 +110,30 @@ def _let_aot_autograd_cache_fczero_graphs() -> str:
     )
 
 
-__all__ = ["FczeroPostGradPass", "code_hash", "install"]
+def keep_region_inputs() -> None:
+    """Turn off AOT autograd's donated buffers once, and say so (block regions need it).
+
+    [Note: a region's backward must not write over its inputs]
+    Inductor lowers the backward of a ``nested_compile_region`` (an ``invoke_subgraph``
+    call) as a subgraph of the outer backward, and the subgraph takes the outer graph's
+    list of donated inputs by position (torch 2.11 and 2.13: ``get_donated_idxs`` reads
+    the tracing context, which holds the outer graph's). So a region input that sits at a
+    donated position, such as the incoming grad, is treated as the region's own to write
+    over: the region returns its input grad in that very buffer, while the outer graph,
+    which still owns the buffer, hands it to the next op as free memory. With three
+    blocks and an embedding, the embedding's grad was built in the buffer of the grad it
+    reads, and came out wrong (2 ranks and one process agree without regions, on both
+    torch versions). Without donated buffers no input is written over; the cost is that
+    backward cannot reuse a saved tensor's memory in place."""
+    config = torch._functorch.config
+    if not getattr(config, "donated_buffer", False):
+        return
+    config.donated_buffer = False
+    logger.info(
+        "fczero: set torch._functorch.config.donated_buffer=False: Inductor would let a "
+        "compiled block region write over inputs its caller still reads "
+        "([Note: a region's backward must not write over its inputs])"
+    )
+
+
+__all__ = ["FczeroPostGradPass", "code_hash", "install", "keep_region_inputs"]

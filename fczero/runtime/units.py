@@ -38,7 +38,7 @@ a side effect that torch allows inside a checkpointed region only when asked
 (``_allow_side_effects``): the record is set and cleared inside the unit, so nothing of it
 outlives the region, and recomputing the region in backward needs none of it.
 
-Experimental, off by default, ignored before torch 2.13: ``REUSE_BLOCKS`` compiles the
+Experimental, off by default: ``REUSE_BLOCKS`` compiles the
 body of every block of one class once (``nested_compile_region``), the gathers staying
 outside ([Note: a block compiled once]).
 """
@@ -61,6 +61,7 @@ import torch.nn as nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from fczero.core.state import ATTR, ParamState, Unit, module_state
+from fczero.passes.install import keep_region_inputs
 from fczero.runtime import recompute
 from fczero.runtime.prefetch import running
 from fczero.runtime.wiring import unsharded_param
@@ -210,7 +211,9 @@ _UNIT_CLASSES: weakref.WeakValueDictionary[type, type] = weakref.WeakValueDictio
 #: Experimental, off by default ([Note: a block compiled once]): under ``torch.compile`` the
 #: forward of a unit whose class has several units (a block) runs in one
 #: ``nested_compile_region`` per class, its gathers staying outside. Set
-#: ``FCZERO_REUSE_BLOCKS=1`` before importing fczero, or this attribute (read at each call).
+#: ``FCZERO_REUSE_BLOCKS=1`` before importing fczero, or this attribute before ``parallelize``
+#: (which then turns off AOT autograd's donated buffers: [Note: a region's backward must
+#: not write over its inputs]; read again at each call).
 REUSE_BLOCKS = os.environ.get("FCZERO_REUSE_BLOCKS", "0") == "1"
 _REGIONS = itertools.count()  # (a unique code object per region)
 
@@ -245,6 +248,8 @@ def install(model: nn.Module, units: list[Unit]) -> None:
         module.__class__ = wrapped
     if compiled_before:
         _warn_compiled_before(compiled_before)
+    if REUSE_BLOCKS and any(unit.shared for unit in units):
+        keep_region_inputs()
 
 
 def _warn_compiled_before(paths: list[str]) -> None:
@@ -274,8 +279,6 @@ def _unit_forward(forward):
             _say_uncompiled_once(unit)
             body = None
         reuse = body is None and REUSE_BLOCKS and unit.shared and outermost and compiling
-        if reuse and not _reuse_supported():
-            reuse = False
         _enter(unit)
         try:
             if body is not None:
@@ -309,22 +312,6 @@ def _say_uncompiled_once(unit: Unit) -> None:
             "([Note: blocks compiled alone]).",
             unit.path,
         )
-
-
-@functools.cache
-def _reuse_supported() -> bool:
-    """``REUSE_BLOCKS`` is honoured on torch 2.13 or newer only. On torch 2.11 (2 x H200,
-    Hugging Face's Llama at 3B with its own checkpointing) the losses left the reference
-    at the second step and the peak memory rose by 13 GiB; on torch 2.13 the CPU checks
-    agree with the reference (docs/troubleshooting.md)."""
-    if torch.torch_version.TorchVersion(torch.__version__) >= (2, 13):
-        return True
-    logger.warning(
-        "fczero: REUSE_BLOCKS is ignored on torch %s: it trained wrongly on torch 2.11; "
-        "the blocks are traced inline as without it (needs torch 2.13 or newer).",
-        torch.__version__,
-    )
-    return False
 
 
 def _compile_body(forward):

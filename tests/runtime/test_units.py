@@ -233,17 +233,54 @@ def test_compiled_graphs_after_the_passes_do_not_depend_on_units(fake_pg):
 # ---- REUSE_BLOCKS: one compiled subgraph for every block ([Note: a block compiled once]) ----
 
 
-def test_reuse_blocks_is_ignored_before_torch_2_13(monkeypatch, caplog):
-    """It trained wrongly on torch 2.11 (GPU, HF's Llama): older torch keeps it off, and says so."""
+def test_reused_blocks_keep_their_inputs(fake_pg, monkeypatch, caplog):
+    """With REUSE_BLOCKS, ``parallelize`` turns off AOT autograd's donated buffers, and says
+    so ([Note: a region's backward must not write over its inputs])."""
+    import torch._functorch.config as functorch_config
+
     from fczero.runtime import units
 
-    check = units._reuse_supported.__wrapped__
-    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
-    with caplog.at_level(logging.WARNING, logger="fczero"):
-        assert check() is False
-    assert "REUSE_BLOCKS is ignored on torch 2.11.0+cu130" in caplog.text
-    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
-    assert check() is True
+    monkeypatch.setattr(units, "REUSE_BLOCKS", True)
+    monkeypatch.setattr(functorch_config, "donated_buffer", True)
+    with caplog.at_level(logging.INFO, logger="fczero"):
+        fczero.parallelize(_four_blocks(), init_device_mesh("cpu", (2,)))
+    assert functorch_config.donated_buffer is False
+    assert "donated_buffer=False" in caplog.text
+
+
+def test_a_region_backward_under_inductor_needs_its_inputs_kept(monkeypatch):
+    """The torch behaviour behind the note, without fczero: an embedding, then three
+    calls of one ``nested_compile_region``, compiled by Inductor. With donated buffers
+    the embedding's grad is built in the buffer of the grad it reads (torch 2.11 and
+    2.13); without them it matches eager. Fails when torch stops doing either."""
+    import torch._functorch.config as functorch_config
+
+    torch.manual_seed(0)
+    emb = torch.nn.Parameter(torch.randn(32, 16) * 0.1)
+    weights = [torch.nn.Parameter(torch.randn(16, 16) * 0.3) for _ in range(3)]
+
+    def block(x, w):
+        return x + torch.relu(x @ w.t())
+
+    region = torch.compiler.nested_compile_region(block)
+
+    def loss(tokens, fn):
+        x = torch.nn.functional.embedding(tokens, emb)
+        for w in weights:
+            x = fn(x, w)
+        return (x * x).sum()
+
+    tokens = torch.randint(0, 32, (4, 8))  # (the grad of x fills as many floats as emb)
+    expected = torch.autograd.grad(loss(tokens, block), emb)[0]
+    errors = {}
+    for donated in (True, False):
+        monkeypatch.setattr(functorch_config, "donated_buffer", donated)
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(force_disable_caches=True):
+            compiled = torch.compile(lambda t: loss(t, region), backend="inductor", fullgraph=True)
+            errors[donated] = (torch.autograd.grad(compiled(tokens), emb)[0] - expected).abs().max()
+    assert errors[False] < 1e-4
+    assert errors[True] > 1e-2
 
 
 def _four_blocks() -> Llama:
