@@ -247,7 +247,8 @@ def parallelize(
     model.register_forward_hook(_root_post_forward, always_call=True)
     if unit_paths:  # after the root's hooks: its unit gathers inside the forward's context
         states = {id(state.param): state for state in root.params}
-        gather_units.install(model, gather_units.build_units(model, unit_paths, states))
+        built = gather_units.build_units(model, unit_paths, states)
+        gather_units.install(model, built, mesh_device(dp_mesh))
     if mesh_device(dp_mesh).type == "cuda" and mesh.size() > 1:
         cuda_graphs.release_with(model)  # [Note: tearing down after CUDA graphs]
     logger.info(

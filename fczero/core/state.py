@@ -316,7 +316,7 @@ class Unit:
     path: str
     states: list[ParamState] = field(default_factory=list)
     depth: int = 0  # forwards of this unit running now (a unit may call itself)
-    shared: bool = False  # its class has other units in the model (REUSE_BLOCKS compiles it once)
+    region: bool = False  # compiled once for its class with REUSE_BLOCKS (other units share it)
     compiled: Callable | None = None  # its forward, compiled by ``module.compile()``
     cls: type | None = None  # its module's class
     # the unit whose forward began just before this one's in the last eager forward, held

@@ -212,26 +212,28 @@ _UNIT_CLASSES: weakref.WeakValueDictionary[type, type] = weakref.WeakValueDictio
 #: forward of a unit whose class has several units (a block) runs in one
 #: ``nested_compile_region`` per class, its gathers staying outside. Set
 #: ``FCZERO_REUSE_BLOCKS=1`` before importing fczero, or this attribute before ``parallelize``
-#: (which then turns off AOT autograd's donated buffers: [Note: a region's backward must
-#: not write over its inputs]; read again at each call).
+#: (which reads it, and then turns off AOT autograd's donated buffers: [Note: a region's
+#: backward must not write over its inputs]).
 REUSE_BLOCKS = os.environ.get("FCZERO_REUSE_BLOCKS", "0") == "1"
 _REGIONS = itertools.count()  # (a unique code object per region)
 
 
-def install(model: nn.Module, units: list[Unit]) -> None:
+def install(model: nn.Module, units: list[Unit], device: torch.device) -> None:
     """Make each unit's module gather its params when its forward begins and drop them
     when it ends: its class becomes a subclass whose ``forward`` wraps the user's. Inside
     ``forward``, not in a forward hook: ``torch.compile(model)`` traces the root's
     ``forward`` but runs the root's hooks outside the graph, where the gathers would be
     cut off from the passes and from recomputation in backward. Inside ``forward`` they
-    also follow every forward pre-hook (the root's opens the eager context)."""
+    also follow every forward pre-hook (the root's opens the eager context). ``device``:
+    the mesh's (whether ``REUSE_BLOCKS`` is honoured there)."""
     modules = dict(model.named_modules())
     per_class = collections.Counter(type(modules[unit.path]) for unit in units)
+    regions = REUSE_BLOCKS and _regions_work_on(device)
     compiled_before: list[str] = []
     for unit in units:
         module = modules[unit.path]
         cls = type(module)
-        unit.shared = per_class[cls] > 1
+        unit.region = regions and per_class[cls] > 1
         unit.cls = cls
         module_state(module, create=True).unit = unit
         if getattr(module, "_compiled_call_impl", None) is not None:
@@ -248,8 +250,28 @@ def install(model: nn.Module, units: list[Unit]) -> None:
         module.__class__ = wrapped
     if compiled_before:
         _warn_compiled_before(compiled_before)
-    if REUSE_BLOCKS and any(unit.shared for unit in units):
+    if any(unit.region for unit in units):
         keep_region_inputs()
+
+
+def _regions_work_on(device: torch.device) -> bool:
+    """``REUSE_BLOCKS`` is honoured on the CPU, and on GPUs from torch 2.13. On 2 x H200
+    with torch 2.11, Hugging Face's Llama at 3B with its own checkpointing trained wrongly
+    with regions even with [Note: a region's backward must not write over its inputs]
+    applied (the loss fell from 12.37 to 7.82 in one step, where FSDP2's and fczero's
+    without regions fell to 10.23-10.25, and the peak rose from 26.2 to 40.0 GiB), while
+    fczero's own Llama trained as without regions; torch 2.13 was not run on a GPU. The
+    CPU checks agree with the reference on torch 2.11 and 2.13."""
+    if device.type == "cpu" or torch.torch_version.TorchVersion(torch.__version__) >= (2, 13):
+        return True
+    logger.warning(
+        "fczero: REUSE_BLOCKS is ignored on %s with torch %s: it trained wrongly there "
+        "(Hugging Face's Llama with its checkpointing); the blocks are traced inline as "
+        "without it (needs torch 2.13 or newer on GPUs).",
+        device.type,
+        torch.__version__,
+    )
+    return False
 
 
 def _warn_compiled_before(paths: list[str]) -> None:
@@ -278,7 +300,7 @@ def _unit_forward(forward):
         if body is not None and torch._C._len_torch_dispatch_stack():
             _say_uncompiled_once(unit)
             body = None
-        reuse = body is None and REUSE_BLOCKS and unit.shared and outermost and compiling
+        reuse = body is None and unit.region and outermost and compiling
         _enter(unit)
         try:
             if body is not None:

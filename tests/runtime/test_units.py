@@ -233,6 +233,20 @@ def test_compiled_graphs_after_the_passes_do_not_depend_on_units(fake_pg):
 # ---- REUSE_BLOCKS: one compiled subgraph for every block ([Note: a block compiled once]) ----
 
 
+def test_reuse_blocks_is_ignored_on_gpus_before_torch_2_13(monkeypatch, caplog):
+    """It trained wrongly on torch 2.11 on GPUs (HF's Llama with its checkpointing): there it
+    stays off, and says so; the CPU honours it."""
+    from fczero.runtime import units
+
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with caplog.at_level(logging.WARNING, logger="fczero"):
+        assert units._regions_work_on(torch.device("cuda", 0)) is False
+        assert units._regions_work_on(torch.device("cpu")) is True
+    assert "REUSE_BLOCKS is ignored on cuda with torch 2.11.0+cu130" in caplog.text
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cu130")
+    assert units._regions_work_on(torch.device("cuda", 0)) is True
+
+
 def test_reused_blocks_keep_their_inputs(fake_pg, monkeypatch, caplog):
     """With REUSE_BLOCKS, ``parallelize`` turns off AOT autograd's donated buffers, and says
     so ([Note: a region's backward must not write over its inputs])."""
