@@ -6,8 +6,9 @@
         --layers 16 28 --warm --out out/compile_time                          # 2 GPUs, NCCL
 
 For each depth (``--layers``) it builds the benchmark's Llama (``bench.arms.build_model``;
-on the CPU the smoke run's tiny width, ``bench.run.SMOKE``; on a GPU ``--model``'s
-preset from ``bench.run.MODELS``) and times the first training step (forward, backward,
+on the CPU the smoke run's tiny width, ``bench.run.SMOKE``, as Hugging Face's model with
+its checkpointing for an ``hf-`` preset; on a GPU ``--model``'s preset from
+``bench.run.MODELS``) and times the first training step (forward, backward,
 AdamW step; compilation included) of four arms of ``bench.arms``:
 
 | arm | what compiles |
@@ -34,8 +35,12 @@ in this process, summed over every frame and graph) and from ``fczero.passes.tim
   accounting leaves out.
 
 ``later step`` is the second step's time (nothing left to compile), ``graphs`` the graphs
-Dynamo compiled (``torch._dynamo.utils.counters``). For a finer look at one run, set
-``TORCH_TRACE=DIR`` and open it with ``tlparse``.
+Dynamo compiled (``torch._dynamo.utils.counters``), ``cache`` the hits, misses and bypasses
+of AOT autograd's cache and of Inductor's FX graph cache in the first step, with torch's
+reason for each bypass (``cache_bypass_reasons``). ``--cache-details`` also saves the parts
+each cache key was made from (``child_....keys.txt``) and logs those of a warm run that the
+cold run did not have: what changed between the processes when a restart missed. For a
+finer look at one run, set ``TORCH_TRACE=DIR`` and open it with ``tlparse``.
 
 Cold caches: every measurement is a process of its own (so no import, compile worker pool
 or in-memory cache of an earlier one helps) with an empty ``TORCHINDUCTOR_CACHE_DIR`` and

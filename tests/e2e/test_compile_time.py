@@ -45,6 +45,8 @@ def test_smoke_run_splits_each_first_step(tmp_path: Path, capsys) -> None:
         assert all(0 <= v <= total for v in parts.values()), r
         assert sum(parts.values()) <= total, r
         assert r["graphs"] >= 1, r
+        kinds = {f"{c}_{w}" for c in ("aot", "fx") for w in ("hit", "miss", "bypass")}
+        assert set(r["cache"]) == kinds, r
         if r["arm"] == "fczero-compiled":
             assert parts["passes"] > 0 and r["pass_graphs"] == 2, r  # forward and backward
     one, two = (
@@ -97,3 +99,37 @@ def test_table_has_a_row_per_depth_and_arm() -> None:
         in lines
     )
     assert sum(line.startswith("| 8 |") for line in lines) == 2
+
+
+def test_the_cache_log_keeps_bypass_reasons_and_key_parts() -> None:
+    import logging
+
+    log = logging.getLogger("torch._inductor.codecache")
+    level = log.level
+    with compile_time._CacheLog(details=True) as cache_log:
+        log.info("Bypassing FX Graph Cache because '%s'", "Can't cache HigherOrderOperator: x")
+        log.debug("FX graph cache hash details for key %s:\n%s", "k1", "[abc] gm: ...")
+        log.info("fx graph cache miss for key %s", "k1")  # neither: not kept
+    assert cache_log.reasons == [
+        "Bypassing FX Graph Cache because 'Can't cache HigherOrderOperator: x'"
+    ]
+    assert cache_log.details == ["FX graph cache hash details for key k1:\n[abc] gm: ..."]
+    assert log.level == level  # (put back)
+
+
+def test_key_differences_name_the_parts_a_warm_run_changed(tmp_path: Path, caplog) -> None:
+    import logging
+
+    cold = tmp_path / "child_a_1_cold_rank0.log"
+    warm = tmp_path / "child_a_1_warm_rank0.log"
+    cold.with_suffix(".keys.txt").write_text(
+        "[h1] inductor_config[x]: 1\n[h2] fn: <object at 0x1>\n[h3] graph: ...\n"
+    )
+    warm.with_suffix(".keys.txt").write_text(
+        "[h1] inductor_config[x]: 1\n[h2] fn: <object at 0x2>\n[h9] graph: ...\n"
+    )
+    with caplog.at_level(logging.INFO, logger="fczero.bench"):
+        compile_time._say_key_differences(cold, warm)
+    assert "1 cache-key lines of the warm run are not in the cold run's" in caplog.text
+    assert "new key part: [h9] graph" in caplog.text
+    assert "0x2" not in caplog.text  # the same hash: only the printed address differs
