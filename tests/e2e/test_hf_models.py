@@ -14,7 +14,11 @@ a single-process reference:
 - a GPT-2, ``GPT2LMHeadModel``: ``Conv1D`` projections (weights stored transposed), learned
   position embeddings, the head tied to the token embedding;
 - an encoder, ``BertForMaskedLM``: bidirectional attention, token-type and position
-  embeddings, the masked-LM head's decoder tied to the embedding, LayerNorm everywhere.
+  embeddings, the masked-LM head's decoder tied to the embedding, LayerNorm everywhere;
+- ``AlbertForMaskedLM``: one layer group whose params every layer reuses (the same unit
+  runs three times in each forward), a factorized embedding projected up to the width;
+- ``BartForConditionalGeneration``: an encoder-decoder with learned positions, the shared
+  embedding read by both stacks and tied to the head, cross-attention.
 
 Skipped when ``transformers`` is not installed.
 """
@@ -103,9 +107,42 @@ class Bert(nn.Module):
         return self.mlm(input_ids=tokens).logits
 
 
+class Albert(nn.Module):
+    """``AlbertForMaskedLM`` returning logits: 3 layers sharing one layer's params."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = transformers.AlbertConfig(
+            vocab_size=64, embedding_size=16, hidden_size=32, intermediate_size=40,
+            num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        self.mlm = transformers.AlbertForMaskedLM(config)
+
+    def forward(self, tokens):
+        return self.mlm(input_ids=tokens).logits
+
+
+class Bart(nn.Module):
+    """``BartForConditionalGeneration`` returning logits; the tokens feed both stacks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = transformers.BartConfig(
+            vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=40,
+            decoder_ffn_dim=40, max_position_embeddings=64, dropout=0.0,
+            attention_dropout=0.0, activation_dropout=0.0,
+        )  # fmt: skip
+        self.bart = transformers.BartForConditionalGeneration(config)
+
+    def forward(self, tokens):
+        return self.bart(input_ids=tokens, decoder_input_ids=tokens, use_cache=False).logits
+
+
 #: name -> the model; SGD: AdamW's step turns the router's rounding-level grad differences
 #: (about 1e-9) into param differences above the fp32 tolerance
-MODELS = {"t5": T5, "mixtral": Mixtral, "gpt2": GPT2, "bert": Bert}
+MODELS = {"t5": T5, "mixtral": Mixtral, "gpt2": GPT2, "bert": Bert, "albert": Albert, "bart": Bart}
 
 
 def _train(rank: int, world: int) -> dict[tuple[str, str], parity.Trace]:
@@ -127,9 +164,13 @@ def test_the_blocks_of_both_stacks_are_units():
     assert blocks == [f"t5.{stack}.block.{i}" for stack in ("encoder", "decoder") for i in (0, 1)]
 
 
-def test_gpt2_and_bert_blocks_are_units():
+def test_gpt2_bert_albert_and_bart_blocks_are_units():
     assert {"lm.transformer.h.0", "lm.transformer.h.1"} <= set(auto_unit_paths(GPT2()))
     assert {"mlm.bert.encoder.layer.0", "mlm.bert.encoder.layer.1"} <= set(auto_unit_paths(Bert()))
+    # ALBERT's one layer group is the unit every layer runs
+    assert "mlm.albert.encoder.albert_layer_groups.0" in auto_unit_paths(Albert())
+    bart = {f"bart.model.{stack}.layers.{i}" for stack in ("encoder", "decoder") for i in (0, 1)}
+    assert bart <= set(auto_unit_paths(Bart()))
 
 
 @pytest.fixture(scope="module")
