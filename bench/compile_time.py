@@ -247,7 +247,6 @@ class _CacheLog(logging.Handler):
 
     def __init__(self, details: bool) -> None:
         super().__init__(logging.DEBUG if details else logging.INFO)
-        self.level_wanted = self.level
         self.reasons: list[str] = []
         self.details: list[str] = []
         self._levels: dict[str, int] = {}
@@ -264,8 +263,8 @@ class _CacheLog(logging.Handler):
             log = logging.getLogger(name)
             log.addHandler(self)
             self._levels[name] = log.level
-            if not log.isEnabledFor(self.level_wanted):
-                log.setLevel(self.level_wanted)
+            if not log.isEnabledFor(self.level):
+                log.setLevel(self.level)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -114,6 +114,15 @@ def run_cases(
 BLOCKS = "blocks:"
 
 
+def tiny_llama_with_inductor(rank: int, world_size: int, **options) -> parity.Trace:
+    """The fp32 tiny Llama, 3 steps, compiled whole by stock Inductor (one rank's run;
+    ``options`` go to ``fczero.parallelize``)."""
+    return parity.train_parallel(
+        rank, world_size, tiny_llama, token_batches(steps=3), parity.cross_entropy,
+        compile_backend="inductor", **options,
+    )  # fmt: skip
+
+
 def compile_blocks(model: nn.Module, backend: str) -> None:
     blocks = next(m for m in model.modules() if isinstance(m, nn.ModuleList))
     for block in blocks:

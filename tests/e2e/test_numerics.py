@@ -12,7 +12,9 @@ import pytest
 
 from fczero.testing import parity
 from fczero.testing.distributed import run_on_ranks
-from tests.cases import BF16, BF16_MP, BF16_OPTS, FP32, REGATHER, Case, run_cases
+from tests.cases import (
+    BF16, BF16_MP, BF16_OPTS, FP32, REGATHER, Case, run_cases, tiny_llama_with_inductor,
+)
 from tests.models import tiny_llama, token_batches
 
 CASES = {
@@ -93,20 +95,9 @@ def test_matches_single_process_reference(parallel_traces, world_size, case):
     parity.assert_close(actual, expected, **tol)
 
 
-def _fp32_llama_with_inductor(rank: int, world_size: int) -> parity.Trace:
-    return parity.train_parallel(
-        rank,
-        world_size,
-        tiny_llama,
-        token_batches(steps=3),
-        parity.cross_entropy,
-        compile_backend="inductor",
-    )
-
-
 @pytest.mark.slow
 def test_inductor_matches_reference():
     """The real stock-Inductor path (C++ codegen on CPU), end to end on 2 gloo ranks."""
-    actual = run_on_ranks(_fp32_llama_with_inductor, 2)[0]
+    actual = run_on_ranks(tiny_llama_with_inductor, 2)[0]
     expected = parity.train_reference(tiny_llama, token_batches(steps=3), parity.cross_entropy)
     parity.assert_close(actual, expected, **FP32)

@@ -7,6 +7,7 @@ reference.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import pytest
@@ -20,7 +21,7 @@ from fczero.runtime import param_states
 from fczero.testing import backends, parity
 from fczero.testing.distributed import gpu_world_size, run_on_ranks
 from fczero.testing.graphs import collective_sequence
-from tests.cases import BF16, BF16_MP, BF16_OPTS, FP32, Case, run_cases
+from tests.cases import BF16, BF16_MP, BF16_OPTS, FP32, Case, run_cases, tiny_llama_with_inductor
 from tests.models import TwoLayer, UnevenTiedMLP, mlp_batches, tiny_llama, token_batches
 
 CASES = [
@@ -188,20 +189,8 @@ def test_inductor_matches_reference(stage):
     def expected():
         return parity.train_reference(tiny_llama, token_batches(steps=3), parity.cross_entropy)
 
-    actual = run_on_ranks(_inductor_run, 2, stage)[0]
+    actual = run_on_ranks(functools.partial(tiny_llama_with_inductor, stage=stage), 2)[0]
     parity.assert_close(actual, expected(), **FP32)
-
-
-def _inductor_run(rank: int, world_size: int, stage: int) -> parity.Trace:
-    return parity.train_parallel(
-        rank,
-        world_size,
-        tiny_llama,
-        token_batches(steps=3),
-        parity.cross_entropy,
-        compile_backend="inductor",
-        stage=stage,
-    )
 
 
 GPU_CASES = [
