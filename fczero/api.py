@@ -31,7 +31,7 @@ from fczero.core.state import ATTR, KeptPlan, RootState, root_state
 from fczero.offload import params as param_offload
 from fczero.offload import partition as offload_partition
 from fczero.passes import registry
-from fczero.passes.install import install
+from fczero.passes.install import cache_fczero_graphs, install
 from fczero.runtime import guards, param_states, step_hooks
 from fczero.runtime import prefetch as eager_prefetch
 from fczero.runtime import units as gather_units
@@ -232,6 +232,7 @@ def parallelize(
         )
     _move_buffers(model, dp_mesh)
     quiet_gather_checkpoint_note()
+    cache_fczero_graphs()
     if options.comm.compile_passes:
         root.passes = _pass_settings(
             root_name, dp_mesh, options, layout.replicate_mesh, reduce_group

@@ -77,37 +77,78 @@ def install() -> None:
         return
     inductor_config.post_grad_custom_post_pass = FczeroPostGradPass(_as_list(current))
     inductor_config.reorder_for_peak_memory = False
-    caches = _let_aot_autograd_cache_fczero_graphs()
     logger.info(
         "installed fczero's passes in torch._inductor.config.post_grad_custom_post_pass "
-        "and set reorder_for_peak_memory=False (it would undo prefetching)%s",
-        caches,
+        "and set reorder_for_peak_memory=False (it would undo prefetching)"
     )
 
 
-def _let_aot_autograd_cache_fczero_graphs() -> str:
-    """Let AOT autograd's cache keep graphs that hold fczero's gather, and say so.
+#: The gather Dynamo leaves as one call ([Note: Dynamo calls the gather, AOT autograd
+#: traces it] in ``fczero/comm/collectives.py``), by the name AOT autograd's cache reads.
+GATHER_FUNCTION = "fczero.comm.collectives.gather_shard"
+
+
+def cache_fczero_graphs() -> None:
+    """Let the compile caches keep fczero's graphs across restarts, and say what changed.
 
     [Note: AOT autograd's cache and the gather]
-    A compiled gather is an ``autograd.Function`` (all-gather forward, reduce-scatter in
-    the reduce dtype backward: ``fczero.comm.collectives``), which Dynamo traces into the
-    graph, forward and backward bodies included. AOT autograd's cache refuses any graph
-    holding a custom ``autograd.Function`` unless
-    ``torch._functorch.config.autograd_cache_allow_custom_autograd_functions`` is set, so a
-    restart of a job paid AOT autograd's whole trace and partition again, while plain
-    models skipped it (Inductor's FX graph cache still hit). The traced bodies are part of
-    the graph the cache keys on. fczero sets the flag; set it back to ``False`` after
-    ``parallelize`` if a custom ``autograd.Function`` of yours must not be cached."""
+    A compiled graph from Dynamo holds fczero's gather as a call of ``gather_shard``, an
+    ``autograd.Function`` (all-gather forward, reduce-scatter in the reduce dtype backward)
+    that AOT autograd traces. Its cache refuses a graph that calls a function it does not
+    know, so a restart of a job paid AOT autograd's whole trace and partition again, while
+    plain models skipped it. fczero names ``gather_shard`` in
+    ``torch._inductor.config.unsafe_marked_cacheable_functions``, with a hash of the module
+    that defines it as its version: the version is part of the cache key, so a changed
+    gather misses. It also sets
+    ``torch._functorch.config.autograd_cache_allow_custom_autograd_functions``, which the
+    cache asks for any ``autograd.Function`` Dynamo traces into a graph (fczero's others
+    that compiled graphs hold: the host-to-device copy of offloaded params, and stages 1
+    and 2's whole params). Set that back to ``False`` after ``parallelize`` if an
+    ``autograd.Function`` of yours must not be cached."""
+    changed = []
+    gather_source = Path(__file__).parent.parent / "comm" / "collectives.py"
+    wanted = {GATHER_FUNCTION: code_hash_of(gather_source)}
+    replay = _rng_replay_not_cacheable()
+    if replay is not None:
+        wanted[replay] = torch.__version__
+    marked = inductor_config.unsafe_marked_cacheable_functions
+    new = {name: v for name, v in wanted.items() if marked.get(name) != v}
+    if new:
+        inductor_config.unsafe_marked_cacheable_functions = {**marked, **new}
+        changed.append(f"marked {', '.join(new)} cacheable in unsafe_marked_cacheable_functions")
     config = torch._functorch.config
-    if not hasattr(config, "autograd_cache_allow_custom_autograd_functions"):
-        return ""
-    if config.autograd_cache_allow_custom_autograd_functions:
-        return ""
-    config.autograd_cache_allow_custom_autograd_functions = True
-    return (
-        ", and set torch._functorch.config.autograd_cache_allow_custom_autograd_functions="
-        "True (AOT autograd's cache would refuse graphs holding fczero's gather)"
-    )
+    if not getattr(config, "autograd_cache_allow_custom_autograd_functions", True):
+        config.autograd_cache_allow_custom_autograd_functions = True
+        changed.append("set autograd_cache_allow_custom_autograd_functions=True")
+    if changed:
+        logger.info(
+            "fczero: %s, so a restarted job takes fczero's graphs from the compile caches",
+            " and ".join(changed),
+        )
+
+
+def _rng_replay_not_cacheable() -> str | None:
+    """The name of torch's graph-safe RNG replay where torch does not call it cacheable.
+
+    [Note: a checkpointed graph's RNG replay and the FX graph cache]
+    When backward recomputes an op that draws random numbers (on a GPU: flash attention,
+    even at dropout 0), the partitioner wraps it in ``graphsafe_run_with_rng_state`` so
+    the recompute replays the forward's random state. Torch 2.11 does not mark that
+    operator cacheable, so Inductor's FX graph cache bypassed every such graph ("Can't
+    cache HigherOrderOperator: graphsafe_run_with_rng_state"): a restart of Hugging Face's
+    checkpointed Llama-3B over 2 H200s compiled everything again (108 s warm, 110 s cold).
+    Torch 2.13 marks it cacheable itself; before that, naming it in
+    ``unsafe_marked_cacheable_functions`` (keyed by the torch version) does the same."""
+    try:
+        from torch._prims.rng_prims import graphsafe_run_with_rng_state as replay
+    except ImportError:
+        return None
+    return None if replay.cacheable() else f"{replay.__module__}.{replay.__name__}"
+
+
+def code_hash_of(path: Path) -> str:
+    """A hash of one source file, as a string (a version in an Inductor option)."""
+    return get_hash_for_files((str(path),)).hex()
 
 
 def keep_region_inputs() -> None:
@@ -136,4 +177,11 @@ def keep_region_inputs() -> None:
     )
 
 
-__all__ = ["FczeroPostGradPass", "code_hash", "install", "keep_region_inputs"]
+__all__ = [
+    "FczeroPostGradPass",
+    "GATHER_FUNCTION",
+    "cache_fczero_graphs",
+    "code_hash",
+    "install",
+    "keep_region_inputs",
+]

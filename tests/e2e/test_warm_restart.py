@@ -33,7 +33,9 @@ tokens = torch.randint(0, 64, (2, 16))
 loss = torch.compile(model)(tokens).float().logsumexp(-1).mean()
 loss.backward()
 grads = [p.grad.to_local().double().norm().item() for p in model.parameters()]
-print(json.dumps({"loss": loss.item(), "grads": grads,
+c10d = torch.ops._c10d_functional
+reduced = c10d.wait_tensor(c10d.reduce_scatter_tensor(torch.ones(4), "sum", 2, "0"))
+print(json.dumps({"loss": loss.item(), "grads": grads, "reduce_defined": bool((reduced == 1).all()),
                   "aot": dict(counters["aot_autograd"]), "inductor": dict(counters["inductor"])}))
 """
 
@@ -57,4 +59,8 @@ def test_a_restart_takes_every_graph_from_the_caches(tmp_path):
     assert warm["aot"].get("autograd_cache_bypass", 0) == 0
     assert warm["aot"].get("autograd_cache_miss", 0) == 0
     assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0
-    assert warm["loss"] == cold["loss"] and warm["grads"] == cold["grads"]
+    assert warm["loss"] == cold["loss"]
+    # The fake group's reduce-scatter returns its input's slice on torch 2.13, and memory
+    # it never wrote on 2.11: there the grads differ between any two runs, cached or not.
+    if cold["reduce_defined"]:
+        assert warm["grads"] == cold["grads"]

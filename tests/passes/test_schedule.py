@@ -143,6 +143,7 @@ def test_every_rank_issues_the_same_collectives():
 
 def _gloo_schedule(rank: int, world_size: int) -> list[list[str]]:
     torch._dynamo.reset()
+    torch.manual_seed(0)  # the same weights on every rank, however the ranks were started
     graphs: list[torch.fx.GraphModule] = []
     model = fczero.parallelize(
         ThreeBlocks(), init_device_mesh("cpu", (world_size,)), comm_policy=fczero.CommPolicy(bucket_bytes=PER_BLOCK)
