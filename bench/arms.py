@@ -464,6 +464,49 @@ def build_fczero_symm_mem(ctx: ArmContext) -> Arm:
     return _fczero(ctx, compiled=True, inductor_options=options)
 
 
+class _ThenPeerCopyGathers:
+    """fczero's post-grad passes, then every all-gather they leave swapped for torch's
+    low-contention all-gather (``symm_mem._low_contention_all_gather``: each rank copies its
+    peers' shards out of a symmetric-memory workspace on the copy engines, no NCCL kernel).
+    Torch 2.11 has the op but not Inductor's pass that uses it, so this measures the lever
+    there. No uuid: Inductor's FX graph cache is bypassed for this arm."""
+
+    def __init__(self) -> None:
+        from fczero.passes.install import FczeroPostGradPass
+
+        self.fczero = FczeroPostGradPass([])
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        self.fczero(graph)
+        c10d = torch.ops._c10d_functional
+        gathers = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default)
+        copy_gather = torch.ops.symm_mem._low_contention_all_gather.default
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target not in gathers:
+                continue
+            group_name = node.args[2]
+            enable_symm_mem_for_group(group_name)
+            with graph.inserting_before(node):
+                swapped = graph.call_function(copy_gather, (node.args[0], group_name))
+            swapped.meta = dict(node.meta)
+            node.replace_all_uses_with(swapped)
+            graph.erase_node(node)
+
+    def uuid(self) -> None:
+        return None
+
+
+def build_fczero_peer_copy(ctx: ArmContext) -> Arm:
+    """fczero compiled with its all-gathers on the copy engines (``_ThenPeerCopyGathers``)."""
+    import torch.distributed._symmetric_memory  # noqa: F401 (defines the symm_mem ops)
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    chain = type("PeerCopyPass", (_ThenPeerCopyGathers, CustomGraphPass), {})()
+    return _fczero(ctx, compiled=True, inductor_options={"post_grad_custom_post_pass": chain})
+
+
 def build_fczero_separate_reduce(ctx: ArmContext) -> Arm:
     """fczero compiled, the reduce-scatters on a communicator of their own."""
     return _fczero(ctx, compiled=True, comm_policy=_comm(separate_reduce_group=True))
@@ -841,6 +884,11 @@ ARMS: dict[str, ArmSpec] = {
             build=build_fczero_symm_mem,
         ),
         ArmSpec(
+            name="fczero-peer-copy",
+            label="fczero compiled, all-gathers as peer copies (symmetric memory, copy engines)",
+            build=build_fczero_peer_copy,
+        ),
+        ArmSpec(
             name="fczero-separate-reduce",
             label="fczero compiled, reduce-scatters on their own communicator",
             build=build_fczero_separate_reduce,
@@ -913,7 +961,7 @@ ARMS: dict[str, ArmSpec] = {
 
 _OVERLAP_ARMS = [
     "fczero-inductor-overlap", "fczero-passes+overlap", "fczero-symm-mem",
-    "fczero-separate-reduce", "fczero-cudagraphs-separate-reduce",
+    "fczero-separate-reduce", "fczero-cudagraphs-separate-reduce", "fczero-peer-copy",
 ]  # fmt: skip
 
 MEMORY_ARMS = [
