@@ -64,6 +64,7 @@ from fczero.passes.graph_utils import (
     insert,
     move_before,
     position,
+    recompile,
     stable_topological_sort,
 )
 from fczero.passes.matching import Collective, find_gathers, find_reduces
@@ -158,7 +159,7 @@ def bucket_collectives(
         merge(graph, fake_mode, bucket)
     stable_topological_sort(graph)  # users of early members now follow the merged wait
     graph.lint()
-    gm.recompile()
+    recompile(gm)
     logger.info("bucket %s: %d -> %d buckets", what, sum(map(len, buckets)), len(buckets))
     return gm
 

@@ -1,8 +1,10 @@
-"""Small FX helpers the passes share: insert a node with a fake value, move nodes."""
+"""Small FX helpers the passes share: insert a node with a fake value, move nodes, regenerate
+a graph module's code once after a chain of passes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -87,3 +89,35 @@ def stable_topological_sort(graph: fx.Graph) -> None:
         if n is not anchor:
             anchor.append(n)
             anchor = n
+
+
+#: graph module id -> whether a pass changed it, for each ``one_recompile`` block running
+_RECOMPILED_AT_END: dict[int, bool] = {}
+
+
+def recompile(gm: fx.GraphModule) -> None:
+    """Regenerate ``gm``'s Python code after a pass changed its graph; inside
+    ``one_recompile(gm)``, leave it to the block's end.
+
+    [Note: one recompile per graph]
+    ``GraphModule.recompile`` writes and compiles the whole graph's Python code. A pass
+    applied alone must leave a module that runs, but the passes in a chain only read
+    and edit the graph, never the code. Regenerated after each of them, the code of
+    Hugging Face's 8-layer Llama (CPU, 2 graphs, 7 regenerations) took 1.07 s of the
+    passes' 2.2 s; ``run_passes`` now regenerates it once, and only if a pass changed it."""
+    if id(gm) in _RECOMPILED_AT_END:
+        _RECOMPILED_AT_END[id(gm)] = True
+    else:
+        gm.recompile()
+
+
+@contextmanager
+def one_recompile(gm: fx.GraphModule) -> Iterator[None]:
+    """Within the block ``recompile(gm)`` only takes note; at its end ``gm`` is regenerated
+    once if any pass asked."""
+    _RECOMPILED_AT_END[id(gm)] = False
+    try:
+        yield
+    finally:
+        if _RECOMPILED_AT_END.pop(id(gm)):
+            gm.recompile()

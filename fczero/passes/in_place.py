@@ -71,7 +71,7 @@ import torch.fx as fx
 
 from fczero.core.memory import storage_root
 from fczero.comm.graph_ops import op_name
-from fczero.passes.graph_utils import aten, c10d, fake_mode_of, insert
+from fczero.passes.graph_utils import aten, c10d, fake_mode_of, insert, recompile
 from fczero.passes.matching import find_gathers, find_reduces
 
 logger = logging.getLogger("fczero")
@@ -116,7 +116,7 @@ def gathers_in_place_pass(gm: fx.GraphModule, groups: set[str], rank: int) -> fx
         g.wait.replace_input_with(g.node, gathered)
         graph.erase_node(g.node)
     graph.lint()
-    gm.recompile()
+    recompile(gm)
     logger.info("gathers_in_place_pass: %d all-gathers write in place", len(gathers))
     return gm
 
@@ -138,7 +138,7 @@ def reduces_in_place_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphModul
         r.wait.replace_input_with(r.node, reduced)
         graph.erase_node(r.node)
     graph.lint()
-    gm.recompile()
+    recompile(gm)
     logger.info(
         "reduces_in_place_pass: %d reduce-scatters over one rank reduce in place", len(reduces)
     )
@@ -166,7 +166,7 @@ def reduce_where_summed_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphMo
             if not node.users:
                 graph.erase_node(node)
     graph.lint()
-    gm.recompile()
+    recompile(gm)
     logger.info("reduce_where_summed_pass: %d reduces read the sum itself", len(matches))
     return gm
 

@@ -40,7 +40,7 @@ import torch.fx as fx
 from fczero.comm import collectives
 from fczero.comm.graph_ops import collective_group, op_name
 from fczero.core.memory import live_bytes, nbytes, peak_bytes
-from fczero.passes.graph_utils import move_before, position
+from fczero.passes.graph_utils import move_before, position, recompile
 from fczero.passes.matching import find_gathers, find_reduces
 
 logger = logging.getLogger("fczero")
@@ -101,7 +101,7 @@ def sink_gathers_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphModule:
     params used much later, such as a head gathered with the embedding)."""
     moved = _sink_gathers(gm.graph, groups)
     gm.graph.lint()
-    gm.recompile()
+    recompile(gm)
     logger.info("sink_gathers_pass: %d gathers issued where they are used", moved)
     return gm
 
@@ -121,7 +121,7 @@ def sink_waits_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphModule:
         move_before(tail, anchor)
         moved += 1
     graph.lint()
-    gm.recompile()
+    recompile(gm)
     logger.info("sink_waits_pass: %d waits placed just before their first use", moved)
     return gm
 
@@ -198,7 +198,7 @@ def prefetch_all_gathers_pass(
             memory_budget,
         )
     graph.lint()
-    gm.recompile()
+    recompile(gm)
     logger.info(
         "prefetch_all_gathers_pass: %d of %d all-gathers issued ahead (%d refused by the budget)",
         hoisted,
@@ -222,6 +222,6 @@ def one_in_flight_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphModule:
             node.append(wait)
             moved += 1
     gm.graph.lint()
-    gm.recompile()
+    recompile(gm)
     logger.info("one_in_flight_pass: %d waits moved up to their collective (gloo)", moved)
     return gm

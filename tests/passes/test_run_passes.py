@@ -25,6 +25,16 @@ class RunPassesTest(ThreeBlocksGraphs):
         self.assertIs(run_passes(backend.fw_graphs[0]), backend.fw_graphs[0])
         self.assertEqual(render(backend.fw_graphs[0]), before)
 
+    def test_the_passes_regenerate_the_code_once(self):
+        """[Note: one recompile per graph]: once a chain, and the code matches the graph."""
+        fw, _ = self.graphs()
+        calls = []
+        real = fw.recompile
+        fw.recompile = lambda: calls.append(1) or real()  # count on this instance only
+        run_passes(fw, settings())
+        self.assertEqual(len(calls), 1)
+        self.assertIn("all_gather_into_tensor_out", fw.code)  # the last passes' nodes
+
     @same_torch
     def test_snapshot_three_blocks_after_passes(self):
         fw, bw = self.graphs()
