@@ -29,6 +29,7 @@ import torch.fx as fx
 from fczero.comm.graph_ops import op_name
 from fczero.core.memory import nbytes
 from fczero.core.unsharding import block_of
+from fczero.passes.graph_utils import in_graph_order
 
 # Ops allowed between a graph input and the all-gather of a gather.
 _SHARD_PREP = {
@@ -105,8 +106,7 @@ def _prep_chain(x: fx.Node) -> list[fx.Node] | None:
             return None
         seen[n] = None
         stack.extend(n.all_input_nodes)
-    order = {n: i for i, n in enumerate(x.graph.nodes)}
-    return sorted(seen, key=order.__getitem__)
+    return in_graph_order(seen)
 
 
 _GATHERS = ("all_gather_into_tensor", "all_gather_into_tensor_out")

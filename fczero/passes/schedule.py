@@ -40,7 +40,7 @@ import torch.fx as fx
 from fczero.comm import collectives
 from fczero.comm.graph_ops import collective_group, op_name
 from fczero.core.memory import live_bytes, nbytes, peak_bytes
-from fczero.passes.graph_utils import move_before, position, recompile
+from fczero.passes.graph_utils import in_graph_order, move_before, position, recompile
 from fczero.passes.matching import find_gathers, find_reduces
 
 logger = logging.getLogger("fczero")
@@ -60,15 +60,12 @@ def _tail(wait: fx.Node, ops: set[str]) -> list[fx.Node]:
                 if all(a in tail for a in inputs):
                     tail.append(user)
                     frontier.append(user)
-    pos = position(wait.graph)
-    return sorted(tail, key=pos.__getitem__)
+    return in_graph_order(tail)
 
 
 def _first_outside_user(tail: list[fx.Node]) -> fx.Node:
     members = set(tail)
-    pos = position(tail[0].graph)
-    users = [u for n in tail for u in n.users if u not in members]
-    return min(users, key=pos.__getitem__)
+    return min(u for n in tail for u in n.users if u not in members)  # the first in the graph
 
 
 def _sink_gathers(graph: fx.Graph, groups: set[str]) -> int:
@@ -81,15 +78,11 @@ def _sink_gathers(graph: fx.Graph, groups: set[str]) -> int:
         if not any(u not in tail for n in tail for u in n.users):
             continue  # nothing uses it (a graph's output counts as a use)
         move_before(tail, _first_outside_user(tail))
-        pos, group = position(graph), _issue_group(gather)
-        members, at = set(group), pos[tail[0]]
+        group, at = _issue_group(gather), tail[0]
+        members = set(group)
         move_before(
-            [
-                n
-                for n in group
-                if at > pos[n] and all(u in members or pos[u] >= at for u in n.users)
-            ],
-            tail[0],
+            [n for n in group if n < at and all(u in members or u >= at for u in n.users)],
+            at,
         )
         moved += 1
     return moved
@@ -114,10 +107,8 @@ def sink_waits_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphModule:
         following = _next_block(reduces, i)
         tail = _tail(current.wait, _REDUCE_TAIL)
         anchor = _first_outside_user(tail)
-        if following is not None:
-            pos = position(graph)
-            if pos[following.node] < pos[anchor]:
-                anchor = _issue_group(following)[0]
+        if following is not None and following.node < anchor:
+            anchor = _issue_group(following)[0]
         move_before(tail, anchor)
         moved += 1
     graph.lint()

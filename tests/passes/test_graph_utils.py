@@ -11,6 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fczero.passes.graph_utils import (
     aten,
     fake_mode_of,
+    in_graph_order,
     insert,
     move_before,
     position,
@@ -62,3 +63,19 @@ def test_the_sort_moves_only_what_runs_before_its_input():
     stable_topological_sort(g)
     assert list(g.nodes)[:4] == [x, a, b, c]
     g.lint()
+
+
+def test_nodes_order_by_where_they_stand_after_moves():
+    """[Note: nodes compare by their place in the graph]: what ``in_graph_order`` and the
+    schedule's comparisons rely on, torch's sort key, kept through moves."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(aten.relu.default, (x,))
+    b = g.call_function(aten.neg.default, (x,))
+    c = g.call_function(aten.abs.default, (x,))
+    g.output((a, b, c))
+    move_before([c, b], a)  # x, c, b, a
+    move_before([a], c)  # x, a, c, b
+    expected = [n for n in g.nodes if n.op == "call_function"]
+    assert in_graph_order([b, c, a]) == expected == [a, c, b]
+    assert position(g)[a] < position(g)[c] and a < c and b > c and min([b, c]) is c
