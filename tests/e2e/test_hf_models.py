@@ -91,36 +91,33 @@ class GPT2(nn.Module):
         return self.lm(input_ids=tokens, use_cache=False).logits
 
 
-class Bert(nn.Module):
-    """``BertForMaskedLM`` returning logits (no mask: every position is predicted)."""
+class _MaskedLM(nn.Module):
+    """A ``*ForMaskedLM`` returning logits (no mask: every position is predicted)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_class, config) -> None:
         super().__init__()
-        config = transformers.BertConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-            num_attention_heads=4, max_position_embeddings=64,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        )  # fmt: skip
-        self.mlm = transformers.BertForMaskedLM(config)
+        self.mlm = model_class(config)
 
     def forward(self, tokens):
         return self.mlm(input_ids=tokens).logits
 
 
-class Albert(nn.Module):
-    """``AlbertForMaskedLM`` returning logits: 3 layers sharing one layer's params."""
+def Bert() -> nn.Module:
+    """``BertForMaskedLM``, 2 layers."""
+    return _MaskedLM(transformers.BertForMaskedLM, transformers.BertConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    ))  # fmt: skip
 
-    def __init__(self) -> None:
-        super().__init__()
-        config = transformers.AlbertConfig(
-            vocab_size=64, embedding_size=16, hidden_size=32, intermediate_size=40,
-            num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        )  # fmt: skip
-        self.mlm = transformers.AlbertForMaskedLM(config)
 
-    def forward(self, tokens):
-        return self.mlm(input_ids=tokens).logits
+def Albert() -> nn.Module:
+    """``AlbertForMaskedLM``: 3 layers sharing one layer's params."""
+    return _MaskedLM(transformers.AlbertForMaskedLM, transformers.AlbertConfig(
+        vocab_size=64, embedding_size=16, hidden_size=32, intermediate_size=40,
+        num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    ))  # fmt: skip
 
 
 class Bart(nn.Module):
