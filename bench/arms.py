@@ -507,6 +507,11 @@ def build_fczero_peer_copy(ctx: ArmContext) -> Arm:
     return _fczero(ctx, compiled=True, inductor_options={"post_grad_custom_post_pass": chain})
 
 
+def build_fczero_whole_table(ctx: ArmContext) -> Arm:
+    """fczero compiled, every embedding's grad reduce-scattered whole (no touched rows)."""
+    return _fczero(ctx, compiled=True, comm_policy=_comm(sparse_embedding_grads=False))
+
+
 def build_fczero_separate_reduce(ctx: ArmContext) -> Arm:
     """fczero compiled, the reduce-scatters on a communicator of their own."""
     return _fczero(ctx, compiled=True, comm_policy=_comm(separate_reduce_group=True))
@@ -889,6 +894,11 @@ ARMS: dict[str, ArmSpec] = {
             build=build_fczero_peer_copy,
         ),
         ArmSpec(
+            name="fczero-whole-table",
+            label="fczero compiled, embedding grads reduce-scattered whole",
+            build=build_fczero_whole_table,
+        ),
+        ArmSpec(
             name="fczero-separate-reduce",
             label="fczero compiled, reduce-scatters on their own communicator",
             build=build_fczero_separate_reduce,
@@ -962,6 +972,7 @@ ARMS: dict[str, ArmSpec] = {
 _OVERLAP_ARMS = [
     "fczero-inductor-overlap", "fczero-passes+overlap", "fczero-symm-mem",
     "fczero-separate-reduce", "fczero-cudagraphs-separate-reduce", "fczero-peer-copy",
+    "fczero-whole-table",
 ]  # fmt: skip
 
 MEMORY_ARMS = [

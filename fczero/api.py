@@ -466,6 +466,7 @@ def _pass_settings(
         param_itemsize=options.mp.param_dtype.itemsize if options.mp.param_dtype else None,
         check_timeout_s=options.check.timeout_s if options.check is not None else None,
         rank=mesh.get_local_rank(),
+        touched_rows=options.comm.sparse_embedding_grads,
     )
 
 

@@ -42,6 +42,9 @@ BF16_OPTS = (("mp_policy", BF16_MP),)
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
 #: units off ([Note: units]): each read gathers on its own, as before units were the default
 NO_UNITS = (("units", None),)
+#: Tokens of the "gqa-vocab" case: at 2 ranks its 64 ids a rank and their rows are well under
+#: a quarter of the tied table's bytes, so its grad is reduced as touched rows.
+WIDE_VOCAB = 1024
 
 
 
@@ -61,7 +64,8 @@ class Case:
     model: str  # "mlp", "llama", "blocks", "breaks" (graph breaks in forward), "moe-loop" or
     # "moe-packed" (experts idle on one rank: tests/models/moe.py; safe with units only),
     # "gqa-full" or "gqa-selective" (grouped-query, tied, every block checkpointed),
-    # "gqa-frozen" (gqa-full with some params of every block frozen)
+    # "gqa-frozen" (gqa-full with some params of every block frozen), "gqa-vocab" (gqa-full
+    # with WIDE_VOCAB tokens: its embedding's grad is reduced as touched rows)
     optimizer: str = "sgd"
     backend: str | None = None  # None: eager; else a torch.compile backend
     options: tuple[tuple[str, object], ...] = ()
@@ -84,6 +88,9 @@ class Case:
             return loop_moe, moe_batches(), parity.cross_entropy
         if self.model == "moe-packed":
             return packed_moe, moe_batches(), parity.cross_entropy
+        if self.model == "gqa-vocab":  # a vocabulary wide enough for touched-row reduces
+            build = functools.partial(tiny_gqa, "full", vocab=WIDE_VOCAB)
+            return build, token_batches(vocab=WIDE_VOCAB), parity.cross_entropy
         if self.model == "gqa-frozen":  # checkpointed blocks with some params frozen
             return frozen_gqa, token_batches(), parity.cross_entropy
         if self.model.startswith("gqa-"):  # gqa-full, gqa-selective: checkpointed blocks

@@ -275,6 +275,8 @@ class PassSettings:
     # this process's rank in the group: where its shard lands in an in-place all-gather
     # (so the graphs, and Inductor's cache key, differ between ranks only there)
     rank: int = 0
+    # reduce an embedding's grad as the rows its batch touched (CommPolicy.sparse_embedding_grads)
+    touched_rows: bool = True
     # What compiling under these settings produced: not settings, so left out of the
     # comparison and of the repr (which keys Inductor's cache). The activation plan of
     # each forward/backward pair partitioned, oldest first (``fczero.offload.partition``),

@@ -88,6 +88,12 @@ class CommPolicy:
     second communicator takes its own device memory for NCCL's buffers; whether it pays
     depends on the model and the links: measure it (docs/benchmarks.md)."""
 
+    sparse_embedding_grads: bool = True
+    """In compiled graphs, reduce an embedding's grad as the ids and rows its batch touched
+    (two small all-gathers) instead of reduce-scattering its whole table, where that moves
+    a quarter of the bytes or less (docs/passes.md, pass 0a). The same sum, added in
+    another order. False: every grad is reduce-scattered whole."""
+
     def __post_init__(self) -> None:
         check_count("CommPolicy.bucket_bytes", self.bucket_bytes)
         check_count("CommPolicy.prefetch", self.prefetch)
@@ -101,6 +107,7 @@ class CommPolicy:
             check_count("CommPolicy.keep_unsharded", self.keep_unsharded)
         _check_flag("CommPolicy.compile_passes", self.compile_passes)
         _check_flag("CommPolicy.separate_reduce_group", self.separate_reduce_group)
+        _check_flag("CommPolicy.sparse_embedding_grads", self.sparse_embedding_grads)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,6 +2,7 @@
 
 | pass                          | module       | what it does                                  |
 | ----------------------------- | ------------ | --------------------------------------------- |
+| reduce_touched_rows_pass      | touched_rows.py | an embedding's grad sent as its touched rows |
 | sink_gathers_pass             | schedule.py  | each gather issued where it is used           |
 | bucket_all_gathers_pass       | bucketing.py | one all-gather per block                      |
 | bucket_reduce_scatters_pass   | bucketing.py | one reduce-scatter per block                  |
@@ -35,6 +36,7 @@ from fczero.passes.in_place import (
     reduces_in_place_pass,
 )
 from fczero.passes.registry import PassSettings, check_timeouts, settings_for_graph
+from fczero.passes.touched_rows import reduce_touched_rows_pass
 from fczero.passes.schedule import (
     one_in_flight_pass,
     prefetch_all_gathers_pass,
@@ -60,6 +62,8 @@ def _run_passes(gm: fx.GraphModule, settings: PassSettings | None) -> fx.GraphMo
         if settings is None:
             return gm
     groups = settings.groups
+    if settings.touched_rows:
+        gm = reduce_touched_rows_pass(gm, groups, settings.rank)
     gm = sink_gathers_pass(gm, groups)
     if settings.bucket_bytes > 0:
         gm = bucket_all_gathers_pass(gm, groups, settings.bucket_bytes)

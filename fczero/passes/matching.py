@@ -111,11 +111,16 @@ def _prep_chain(x: fx.Node) -> list[fx.Node] | None:
 
 _GATHERS = ("all_gather_into_tensor", "all_gather_into_tensor_out")
 
+#: Meta key of an all-gather a pass added that gathers no param (it is never a gather).
+NOT_A_GATHER = "fczero_not_a_gather"
+
 
 def find_gathers(graph: fx.Graph, groups: set[str]) -> list[Collective]:
     found = []
     for node in graph.nodes:
         if node.op != "call_function" or op_name(node) not in _GATHERS:
+            continue
+        if node.meta.get(NOT_A_GATHER):
             continue
         _, size, name = node.args[:3]
         gather = Collective(node, only_wait(node), size, name, [])

@@ -44,6 +44,7 @@ def new_settings(
     param_itemsize: int | None = None,
     check_timeout_s: float | None = None,
     rank: int = 0,
+    touched_rows: bool = True,
 ) -> PassSettings:
     """The settings of one root's graphs on data-parallel group ``group_name``.
     ``replicate_group``: HSDP's replicate group, whose grad all-reduces are bucketed too;
@@ -60,6 +61,7 @@ def new_settings(
         param_itemsize=param_itemsize,
         check_timeout_s=check_timeout_s,
         rank=rank,
+        touched_rows=touched_rows,
     )
 
 

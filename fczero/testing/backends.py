@@ -19,9 +19,10 @@ from fczero.offload.partition import partition
 from fczero.passes import run_passes
 
 
-def recording(graphs: list[fx.GraphModule] | None = None):
+def recording(graphs: list[fx.GraphModule] | None = None, decompositions: dict | None = None):
     """AOT autograd with fczero's passes, run eagerly; each graph it rewrites (forward,
-    then backward) is appended to ``graphs`` when given."""
+    then backward) is appended to ``graphs`` when given. ``decompositions``: ops that AOT
+    autograd lowers as Inductor would before the passes see them (op -> decomposition)."""
 
     def compile_graph(gm: fx.GraphModule, example_inputs) -> object:
         gm = run_passes(gm)
@@ -29,8 +30,9 @@ def recording(graphs: list[fx.GraphModule] | None = None):
             graphs.append(gm)
         return make_boxed_func(gm.forward)
 
+    lowered = {"decompositions": decompositions} if decompositions else {}
     return aot_autograd(
-        fw_compiler=compile_graph, bw_compiler=compile_graph, partition_fn=partition
+        fw_compiler=compile_graph, bw_compiler=compile_graph, partition_fn=partition, **lowered
     )
 
 

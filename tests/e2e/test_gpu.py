@@ -57,6 +57,9 @@ CASES = [
     Case("gqa-selective", "adamw", backend="inductor"),
     Case("gqa-full", backend="inductor", options=BF16_OPTS),
     Case("gqa-full", "adamw", backend="inductor-cudagraphs"),
+    # the tied embedding's grad reduced as the rows the batch touched (all-gathers)
+    Case("gqa-vocab", "adamw", backend="inductor"),
+    Case("gqa-vocab", backend="inductor-cudagraphs", options=BF16_OPTS),
     # each block compiled on its own, the gathers eager around it (prefetched, bucketed)
     Case("gqa-full", "adamw", backend="blocks:inductor"),
     Case("moe-loop", "adamw", backend="blocks:inductor"),

@@ -68,11 +68,11 @@ TINY_LLAMA = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=4
 tiny_llama = functools.partial(Llama, TINY_LLAMA)
 
 
-def tiny_gqa(checkpointing: str = "full") -> Llama:
+def tiny_gqa(checkpointing: str = "full", vocab: int = 64) -> Llama:
     """Grouped-query attention, tied embeddings, each block checkpointed (``"full"`` or
     ``"selective"``): the realistic recipe's Llama, tiny."""
     return Llama(LlamaConfig(
-        vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=40,
+        vocab_size=vocab, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=40,
         tie_embeddings=True, checkpointing=checkpointing,
     ))  # fmt: skip
 
