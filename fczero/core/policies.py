@@ -89,10 +89,12 @@ class CommPolicy:
     depends on the model and the links: measure it (docs/benchmarks.md)."""
 
     sparse_embedding_grads: bool = True
-    """In compiled graphs, reduce an embedding's grad as the ids and rows its batch touched
-    (two small all-gathers) instead of reduce-scattering its whole table, where that moves
-    a quarter of the bytes or less (docs/passes.md, pass 0a). The same sum, added in
-    another order. False: every grad is reduce-scattered whole."""
+    """In compiled graphs, an embedding's rows move instead of its table where that is a
+    quarter of the bytes or less (docs/passes.md, pass 0a): its lookup reads the shards (the
+    ids all-gathered, the rows found reduce-scattered) instead of waiting for the table's
+    gather, and its grad is reduced as the ids and rows its batch touched (two small
+    all-gathers) instead of a reduce-scatter of the whole table. The same values and sums,
+    added in another order. False: every table is gathered and reduced whole."""
 
     def __post_init__(self) -> None:
         check_count("CommPolicy.bucket_bytes", self.bucket_bytes)

@@ -2,6 +2,7 @@
 
 | pass                          | module       | what it does                                  |
 | ----------------------------- | ------------ | --------------------------------------------- |
+| look_up_touched_rows_pass     | touched_rows.py | an embedding looked up in the shards, not gathered |
 | reduce_touched_rows_pass      | touched_rows.py | an embedding's grad sent as its touched rows |
 | sink_gathers_pass             | schedule.py  | each gather issued where it is used           |
 | bucket_all_gathers_pass       | bucketing.py | one all-gather per block                      |
@@ -36,7 +37,7 @@ from fczero.passes.in_place import (
     reduces_in_place_pass,
 )
 from fczero.passes.registry import PassSettings, check_timeouts, settings_for_graph
-from fczero.passes.touched_rows import reduce_touched_rows_pass
+from fczero.passes.touched_rows import look_up_touched_rows_pass, reduce_touched_rows_pass
 from fczero.passes.schedule import (
     one_in_flight_pass,
     prefetch_all_gathers_pass,
@@ -63,6 +64,7 @@ def _run_passes(gm: fx.GraphModule, settings: PassSettings | None) -> fx.GraphMo
             return gm
     groups = settings.groups
     if settings.touched_rows:
+        gm = look_up_touched_rows_pass(gm, groups, settings.rank)
         gm = reduce_touched_rows_pass(gm, groups, settings.rank)
     gm = sink_gathers_pass(gm, groups)
     if settings.bucket_bytes > 0:

@@ -111,8 +111,9 @@ def _prep_chain(x: fx.Node) -> list[fx.Node] | None:
 
 _GATHERS = ("all_gather_into_tensor", "all_gather_into_tensor_out")
 
-#: Meta key of an all-gather a pass added that gathers no param (it is never a gather).
-NOT_A_GATHER = "fczero_not_a_gather"
+#: Meta key of a collective a pass added that moves no param and no grad (never matched as
+#: a gather or a reduce: ``fczero.passes.touched_rows``).
+NOT_A_PARAM_COLLECTIVE = "fczero_not_a_param_collective"
 
 
 def find_gathers(graph: fx.Graph, groups: set[str]) -> list[Collective]:
@@ -120,7 +121,7 @@ def find_gathers(graph: fx.Graph, groups: set[str]) -> list[Collective]:
     for node in graph.nodes:
         if node.op != "call_function" or op_name(node) not in _GATHERS:
             continue
-        if node.meta.get(NOT_A_GATHER):
+        if node.meta.get(NOT_A_PARAM_COLLECTIVE):
             continue
         _, size, name = node.args[:3]
         gather = Collective(node, only_wait(node), size, name, [])
@@ -140,6 +141,8 @@ def find_reduces(graph: fx.Graph, groups: set[str]) -> list[Collective]:
             continue
         _, op, size, name = node.args[:4]
         wait = only_wait(node)
+        if node.meta.get(NOT_A_PARAM_COLLECTIVE):
+            continue
         if name in groups and op == "sum" and wait is not None:
             found.append(Collective(node, wait, size, name, []))
     return found

@@ -1,11 +1,30 @@
-"""An embedding's grad reduced as the rows the batch touched, not as the whole table.
+"""An embedding's rows: looked up in the shards and its grad reduced as the rows the batch
+touched, not through the whole table.
 
+[Note: a lookup from the shards]
+An embedding's forward reads one row per token, yet the gather brings the whole table
+first, at the very start of the step where nothing can run beside it: Llama-3.2-3B's
+128256 x 3072 table is 788 MB in bf16, 1.5 ms of exposed all-gather on 2 x H200. Each
+rank holds a block of rows, so the ranks can answer the lookup together: every rank
+gathers every rank's ids, looks up those in its block (zero rows for the others') and a
+reduce-scatter sums the answers, each rank keeping its own tokens' rows:
+
+    before                                  after
+    t  = wait_tensor(all_gather(cast(s)))   aids = wait_tensor(all_gather(ids))      # (W*N,)
+    x  = embedding(slice(t, 0, 0, V), ids)  local = aids - rank * S; inside = 0 <= local < S
+                                            r  = cast(embedding(s, local * inside)) * inside
+                                            x  = wait_tensor(reduce_scatter(r, "sum"))  # (N, D)
+
+Each row is one rank's and zeros elsewhere, so the sum is exact. The table's gather stays
+for whatever else reads it (a tied head, at the forward's end), and later passes move it
+there and prefetch it like any other; with nothing else reading it, it goes.
+
+[Note: a grad reduced as its touched rows]
 An embedding's backward adds each token's output grad into the row of that token's id,
 into a table of zeros. fczero's reduce then reduce-scatters the whole table, zeros and
-all: Llama-3.2-3B's 128256 x 3072 table is 1.47 GiB in fp32, and it is reduced last,
-when nothing is left to compute beside it. The same sum takes far fewer bytes if every
-rank sends what it scattered, the ids and their rows, and each rank adds up the rows
-that fall in its own shard:
+all (1.58 GB in fp32 for the table above), last in the backward, when nothing is left to
+compute beside it. Every rank sends what it scattered instead, the ids and their rows,
+and each rank adds up the rows that fall in its own shard:
 
     before                                        after
     z  = full([V, D], 0)                          ids = where(mask, wrap(idx), -1)   # (N,)
@@ -26,17 +45,16 @@ chain may hold (``[Note: a grad reduced where it was summed]`` in ``in_place.py`
 not taken, as that pass would not take it either.
 
 [Note: when the touched rows are cheaper]
-The rewrite is taken where the gathered ids and rows are at most a quarter of the bytes
-of the table the reduce-scatter would move: ``W * N * (D * itemsize + 8) <= bytes / 4``.
-Regime R (2 ranks, 4096 tokens, 3072 wide) gathers 50 MB instead of reducing 1.58 GB;
-at 32 ranks or with the whole vocabulary in every batch the table is cheaper and stays.
-The decision reads only shapes and dtypes, which are the same on every rank, so every
-rank replaces the same reduce with the same two all-gathers; only the shard's offset
-(``rank * S``) differs.
+Either rewrite is taken where the ids and rows it moves are at most a quarter of the bytes
+of the table it replaces: ``W * N * (D * itemsize + 8) <= bytes / 4``. Regime R (2 ranks,
+4096 tokens, 3072 wide) moves 50 MB each way instead of 788 MB and 1.58 GB; at 32 ranks or
+with the whole vocabulary in every batch the table is cheaper and stays. The decision
+reads only shapes and dtypes, which are the same on every rank, so every rank makes the
+same collectives; only the shard's offset (``rank * S``) differs.
 
-The pass runs first, before bucketing, so the reduce it replaces is never bucketed; the
-two all-gathers it adds carry ``NOT_A_GATHER`` so the gather passes leave them where
-they are.
+Both passes run first, before bucketing, so what they replace is never bucketed; the
+collectives they add carry ``NOT_A_PARAM_COLLECTIVE``, so the gather and reduce passes
+leave them where they are.
 """
 
 from __future__ import annotations
@@ -50,7 +68,7 @@ import torch.fx as fx
 from fczero.comm.graph_ops import op_name
 from fczero.core.memory import nbytes
 from fczero.passes.graph_utils import fake_mode_of, insert, recompile
-from fczero.passes.matching import NOT_A_GATHER, Collective, find_reduces
+from fczero.passes.matching import NOT_A_PARAM_COLLECTIVE, Collective, find_gathers, find_reduces
 
 logger = logging.getLogger("fczero")
 
@@ -94,6 +112,111 @@ def reduce_touched_rows_pass(gm: fx.GraphModule, groups: set[str], rank: int) ->
     recompile(gm)
     logger.info("reduce_touched_rows_pass: %d reduces send the touched rows only", len(found))
     return gm
+
+
+def look_up_touched_rows_pass(
+    gm: fx.GraphModule, groups: set[str], rank: int
+) -> fx.GraphModule:
+    """Each embedding lookup in a gathered table reads its rows from the shards instead: an
+    all-gather of the ids and a reduce-scatter of the rows found ([Note: a lookup from the
+    shards]); a gather that nothing else reads goes."""
+    graph = gm.graph
+    gathers = find_gathers(graph, groups)
+    found = [(g, e) for g in gathers for e in _lookups(g) if _cheap_lookup(g, e)]
+    if not found:
+        return gm
+    fake_mode = fake_mode_of(graph)
+    for gather, lookup in found:
+        _look_up(graph, fake_mode, gather, lookup, rank)
+    for gather in {g.node: g for g, _ in found}.values():
+        unpadded = reversed(_unpad_slices(gather))
+        _erase_if_unread([*unpadded, gather.wait, gather.node, *reversed(gather.prep)])
+    graph.lint()
+    recompile(gm)
+    logger.info("look_up_touched_rows_pass: %d lookups read the shards", len(found))
+    return gm
+
+
+def _unpad_slices(g: Collective) -> list[fx.Node]:
+    return [u for u in g.wait.users if op_name(u) == "slice" and tuple(u.args[1:3]) == (0, 0)]
+
+
+def _lookups(g: Collective) -> list[fx.Node]:
+    """The ``embedding`` nodes that read ``g``'s table: its wait, or the wait's rows unpadded
+    (``slice(wait, 0, 0, rows)``), where each rank's shard is a 2-d block of those rows."""
+    source, table = g.input.meta["val"], g.wait.meta["val"]
+    if g.in_place or source.dim() != 2 or table.dim() != 2 or g.group_size < 2:
+        return []
+    if source.shape[0] * g.group_size != table.shape[0]:
+        return []
+    tables = [g.wait, *(s for s in _unpad_slices(g) if (s.args[4] if len(s.args) > 4 else 1) == 1)]
+    return [
+        u for t in tables for u in t.users if op_name(u) == "embedding" and u.args[0] is t
+    ]
+
+
+def _cheap_lookup(g: Collective, lookup: fx.Node) -> bool:
+    """[Note: when the touched rows are cheaper], for a lookup: the ids gathered and the
+    rows reduce-scattered against the table gathered."""
+    n = lookup.args[1].meta["val"].numel()
+    row = g.wait.meta["val"].shape[1] * g.wait.meta["val"].element_size()
+    return g.group_size * n * (row + 8) <= MAX_SHARE * nbytes(g.wait)
+
+
+def _look_up(graph: fx.Graph, fake_mode, g: Collective, lookup: fx.Node, rank: int) -> None:
+    ids = lookup.args[1]
+    shape = list(ids.meta["val"].shape)
+    n = ids.meta["val"].numel()
+    shard = _shard_input(g)
+    shard_rows, width = shard.meta["val"].shape
+    dtype = g.wait.meta["val"].dtype
+
+    def add(target, *args, **kwargs) -> fx.Node:
+        return insert(graph, fake_mode, target, args, kwargs, like=lookup)
+
+    with graph.inserting_before(lookup):
+        flat = add(aten.reshape.default, ids, [n])
+        flat = add(prims.convert_element_type.default, flat, torch.int64)
+        every_id = _gathered(add, flat, g.group_size, g.group_name)
+        local = add(aten.sub.Tensor, every_id, rank * shard_rows) if rank else every_id
+        inside = add(
+            aten.bitwise_and.Tensor,
+            add(aten.ge.Scalar, local, 0),
+            add(aten.lt.Scalar, local, shard_rows),
+        )
+        ones = add(prims.convert_element_type.default, inside, torch.int64)
+        local = add(aten.mul.Tensor, local, ones)
+        found = add(aten.embedding.default, shard, local)  # row 0 where the id is another rank's
+        if found.meta["val"].dtype != dtype:
+            found = add(prims.convert_element_type.default, found, dtype)  # as the gather casts
+        mask = add(prims.convert_element_type.default, inside, dtype)
+        found = add(aten.mul.Tensor, found, add(aten.unsqueeze.default, mask, -1))
+        summed = add(c10d.reduce_scatter_tensor.default, found, "sum", g.group_size, g.group_name)
+        summed.meta[NOT_A_PARAM_COLLECTIVE] = True
+        rows = add(aten.reshape.default, add(c10d.wait_tensor.default, summed), [*shape, width])
+    lookup.replace_all_uses_with(rows)
+    graph.erase_node(lookup)
+
+
+def _shard_input(g: Collective) -> fx.Node:
+    """This rank's rows of the table: the graph input that the gather casts, where it has the
+    shard's 2-d shape and device, so the lookup does not read the gather's own prep (which would pin
+    that prep, and so the gather, to the graph's start); else what the gather sends."""
+    sent = g.input.meta["val"]
+    node = g.input
+    while op_name(node) in _CASTS and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    val = node.meta.get("val")
+    # (same device: with params offloaded the graph input is the shard in host memory)
+    same = isinstance(val, torch.Tensor) and (val.shape, val.device) == (sent.shape, sent.device)
+    return node if node.op == "placeholder" and same else g.input
+
+
+def _erase_if_unread(nodes: list[fx.Node]) -> None:
+    """Erase each of ``nodes`` (readers before what they read) that nothing reads."""
+    for node in nodes:
+        if not node.users and node.op == "call_function":
+            node.graph.erase_node(node)
 
 
 def _match(r: Collective) -> _Scatter | None:
@@ -198,15 +321,15 @@ def _rewrite(graph: fx.Graph, fake_mode, s: _Scatter, rank: int) -> None:
             shard = add(aten.div.Tensor, shard, s.divisor)
     r.wait.replace_all_uses_with(shard)
     zeros, old_rows = s.table.args[0], s.table.args[3 if s.keep is not None else 2]
-    for node in dict.fromkeys([r.wait, r.node, *s.chain, s.table, zeros, old_rows, s.rows]):
-        if not node.users and node.op == "call_function":  # (the old rows: if gathered narrower)
-            graph.erase_node(node)
+    # (the old rows go where the narrower source was gathered instead)
+    replaced = [r.wait, r.node, *s.chain, s.table, zeros, old_rows, s.rows]
+    _erase_if_unread(list(dict.fromkeys(replaced)))
 
 
 def _gathered(add, x: fx.Node, world: int, group: str) -> fx.Node:
     """``x`` of every rank, concatenated along dim 0 (issued and waited here)."""
     ag = add(c10d.all_gather_into_tensor.default, x, world, group)
-    ag.meta[NOT_A_GATHER] = True
+    ag.meta[NOT_A_PARAM_COLLECTIVE] = True
     return add(c10d.wait_tensor.default, ag)
 
 
