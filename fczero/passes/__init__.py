@@ -75,7 +75,12 @@ def _run_passes(gm: fx.GraphModule, settings: PassSettings | None) -> fx.GraphMo
         gm = bucket_all_reduces_pass(gm, groups | settings.replicate_groups, settings.bucket_bytes)
     gm = sink_waits_pass(gm, groups)
     gm = prefetch_all_gathers_pass(
-        gm, groups, settings.prefetch, settings.memory_budget, settings.warned
+        gm,
+        groups,
+        settings.prefetch,
+        settings.memory_budget,
+        settings.warned,
+        bucket_bytes=settings.bucket_bytes,
     )
     gm = one_in_flight_pass(gm, groups | settings.replicate_groups)
     gm = gathers_in_place_pass(gm, groups, settings.rank)

@@ -67,6 +67,24 @@ class ScheduleTest(ThreeBlocksGraphs):
         for gather, matmul in zip(gathers[1:], matmuls):
             self.assertLess(gather, matmul)
 
+    def test_a_gather_larger_than_a_bucket_is_issued_further_ahead(self):
+        """[Note: a gather larger than a bucket]: each block's 1 MiB weight against buckets of
+        0.6 MiB is two buckets' worth, so it is issued two buckets ahead, not one."""
+        for bucket, ahead in ((PER_BLOCK, 1), (PER_BLOCK * 2 // 5, 2)):
+            fw, _ = self.graphs()
+            run_passes(fw, settings(bucket_bytes=bucket))
+            order = [n for n in fw.graph.nodes if n.op == "call_function"]
+            names = [str(n.target) for n in order]
+            weights = [
+                i for i, n in enumerate(order)
+                if "all_gather_into_tensor" in names[i] and n.meta["val"].numel() >= 512 * 512
+            ]  # fmt: skip
+            matmuls = [i for i, t in enumerate(names) if t == "aten.addmm.default"]
+            with self.subTest(bucket=bucket):
+                self.assertLess(weights[2], matmuls[2 - ahead])  # block 2's, ahead of its use
+                if ahead == 1:
+                    self.assertGreater(weights[2], matmuls[0])
+
     def test_budget_too_small_runs_without_prefetch_and_says_so(self):
         fw, _ = self.graphs()
         with self.assertLogs("fczero", level=logging.WARNING) as logs:
