@@ -2,8 +2,8 @@
 
 | pass                          | module       | what it does                                  |
 | ----------------------------- | ------------ | --------------------------------------------- |
-| look_up_touched_rows_pass     | touched_rows.py | an embedding looked up in the shards, not gathered |
-| reduce_touched_rows_pass      | touched_rows.py | an embedding's grad sent as its touched rows |
+| look_up_touched_rows_pass     | touched_rows | an embedding looked up in the shards          |
+| reduce_touched_rows_pass      | touched_rows | an embedding's grad sent as its touched rows  |
 | sink_gathers_pass             | schedule.py  | each gather issued where it is used           |
 | bucket_all_gathers_pass       | bucketing.py | one all-gather per block                      |
 | bucket_reduce_scatters_pass   | bucketing.py | one reduce-scatter per block                  |
@@ -37,13 +37,13 @@ from fczero.passes.in_place import (
     reduces_in_place_pass,
 )
 from fczero.passes.registry import PassSettings, check_timeouts, settings_for_graph
-from fczero.passes.touched_rows import look_up_touched_rows_pass, reduce_touched_rows_pass
 from fczero.passes.schedule import (
     one_in_flight_pass,
     prefetch_all_gathers_pass,
     sink_gathers_pass,
     sink_waits_pass,
 )
+from fczero.passes.touched_rows import look_up_touched_rows_pass, reduce_touched_rows_pass
 
 __all__ = ["PassSettings", "run_passes"]
 

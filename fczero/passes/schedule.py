@@ -30,7 +30,7 @@ larger than ``bucket_bytes`` (an embedding table, a head: 788 MB for Llama-3.2-3
 one against 128 MiB buckets) is a bucket of its own and would take several buckets of
 compute to hide, so it may be issued ``prefetch * ceil(bytes / bucket_bytes)`` buckets
 ahead instead of ``prefetch``, still under ``memory_budget``, trying the farthest first.
-On 2 x H200 the tied table, gathered one bucket ahead of the head, left 1.5 ms of its
+On two H200s the tied table, gathered one bucket ahead of the head, left 1.5 ms of its
 gather exposed (docs/benchmarks.md, regime R without checkpointing).
 
 Each decision reads shapes and graph order only, so it is the same on every rank.

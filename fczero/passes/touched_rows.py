@@ -4,7 +4,7 @@ touched, not through the whole table.
 [Note: a lookup from the shards]
 An embedding's forward reads one row per token, yet the gather brings the whole table
 first, at the very start of the step where nothing can run beside it: Llama-3.2-3B's
-128256 x 3072 table is 788 MB in bf16, 1.5 ms of exposed all-gather on 2 x H200. Each
+128256 x 3072 table is 788 MB in bf16, 1.5 ms of exposed all-gather on two H200s. Each
 rank holds a block of rows, so the ranks can answer the lookup together: every rank
 gathers every rank's ids, looks up those in its block (zero rows for the others') and a
 reduce-scatter sums the answers, each rank keeping its own tokens' rows:

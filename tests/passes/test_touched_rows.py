@@ -217,6 +217,7 @@ def _train_with_inductor(rank: int, world_size: int, batches) -> tuple[parity.Tr
     return trace, [line for line in lines if "touched_rows_pass" in line]
 
 
+@pytest.mark.slow
 def test_touched_rows_under_inductor_train_as_one_process():
     batches = token_batches(steps=2, batch=4, seq=8, vocab=VOCAB)
     expected = parity.train_reference(TiedTokens, batches, parity.cross_entropy)
