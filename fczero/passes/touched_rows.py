@@ -12,7 +12,7 @@ reduce-scatter sums the answers, each rank keeping its own tokens' rows:
     before                                  after
     t  = wait_tensor(all_gather(cast(s)))   aids = wait_tensor(all_gather(ids))      # (W*N,)
     x  = embedding(slice(t, 0, 0, V), ids)  local = aids - rank * S; inside = 0 <= local < S
-                                            r  = cast(embedding(s, local * inside)) * inside
+                                            r  = where(inside, cast(embedding(s, local * inside)), 0)
                                             x  = wait_tensor(reduce_scatter(r, "sum"))  # (N, D)
 
 Each row is one rank's and zeros elsewhere, so the sum is exact. The table's gather stays
@@ -189,8 +189,9 @@ def _look_up(graph: fx.Graph, fake_mode, g: Collective, lookup: fx.Node, rank: i
         found = add(aten.embedding.default, shard, local)  # row 0 where the id is another rank's
         if found.meta["val"].dtype != dtype:
             found = add(prims.convert_element_type.default, found, dtype)  # as the gather casts
-        mask = add(prims.convert_element_type.default, inside, dtype)
-        found = add(aten.mul.Tensor, found, add(aten.unsqueeze.default, mask, -1))
+        zero = add(aten.full.default, [], 0, dtype=dtype, device=g.wait.meta["val"].device)
+        # (where, not a product with the mask: row 0 may hold an inf, and inf * 0 is nan)
+        found = add(aten.where.self, add(aten.unsqueeze.default, inside, -1), found, zero)
         summed = add(c10d.reduce_scatter_tensor.default, found, "sum", g.group_size, g.group_name)
         summed.meta[NOT_A_PARAM_COLLECTIVE] = True
         rows = add(aten.reshape.default, add(c10d.wait_tensor.default, summed), [*shape, width])
