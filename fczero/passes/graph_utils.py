@@ -11,8 +11,31 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from fczero.comm.graph_ops import op_name
+
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+
+
+#: Ops that only change a tensor's dtype (or copy it), as post-grad graphs spell them.
+CASTS = frozenset({"convert_element_type", "_to_copy"})
+
+
+def is_cast(node: object) -> bool:
+    """``node`` casts (or copies) one tensor node."""
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "call_function"
+        and op_name(node) in CASTS
+        and bool(node.args)
+        and isinstance(node.args[0], fx.Node)
+        and isinstance(node.meta.get("val"), torch.Tensor)
+    )
+
+
+def one_reader(node: object) -> bool:
+    """``node`` is an op whose result exactly one node reads."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and len(node.users) == 1
 
 
 def fake_mode_of(graph: fx.Graph):

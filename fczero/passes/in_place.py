@@ -71,7 +71,15 @@ import torch.fx as fx
 
 from fczero.core.memory import storage_root
 from fczero.comm.graph_ops import op_name
-from fczero.passes.graph_utils import aten, c10d, fake_mode_of, insert, recompile
+from fczero.passes.graph_utils import (
+    aten,
+    c10d,
+    fake_mode_of,
+    insert,
+    is_cast,
+    one_reader,
+    recompile,
+)
 from fczero.passes.matching import find_gathers, find_reduces
 
 logger = logging.getLogger("fczero")
@@ -145,9 +153,6 @@ def reduces_in_place_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphModul
     return gm
 
 
-_CASTS = {"convert_element_type", "_to_copy"}
-
-
 def reduce_where_summed_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphModule:
     """Each reduce of a grad that was summed in the reduce's dtype and rounded on its way
     reduces the sum itself, and divides after ([Note: a grad reduced where it was summed])."""
@@ -180,7 +185,7 @@ def _summed_source(x: fx.Node) -> tuple[fx.Node, float | None, list[fx.Node]] | 
     chain: list[fx.Node] = []
     divisor = None
     node = x
-    if _one_reader(node) and op_name(node) == "div" and isinstance(node.args[1], (int, float)):
+    if one_reader(node) and op_name(node) == "div" and isinstance(node.args[1], (int, float)):
         divisor, node = node.args[1], node.args[0]
         chain.append(x)
     found: tuple[fx.Node, list[fx.Node]] | None = None
@@ -188,7 +193,7 @@ def _summed_source(x: fx.Node) -> tuple[fx.Node, float | None, list[fx.Node]] | 
     while isinstance(node, fx.Node):
         if node is not x and _holds_like(node, x):
             found = (node, list(links))
-        if not (_is_cast(node) and _one_reader(node)):
+        if not (is_cast(node) and one_reader(node)):
             break
         links.append(node)
         node = node.args[0]
@@ -198,23 +203,9 @@ def _summed_source(x: fx.Node) -> tuple[fx.Node, float | None, list[fx.Node]] | 
     return source, divisor, [*chain, *casts]
 
 
-def _is_cast(node: fx.Node) -> bool:
-    return (
-        node.op == "call_function"
-        and op_name(node) in _CASTS
-        and bool(node.args)
-        and isinstance(node.args[0], fx.Node)
-        and isinstance(node.meta.get("val"), torch.Tensor)
-    )
-
-
-def _one_reader(node: fx.Node) -> bool:
-    return node.op == "call_function" and len(node.users) == 1
-
-
 def _holds_like(node: fx.Node, x: fx.Node) -> bool:
     """``node`` owns its storage, only one op reads it, and it is laid out as ``x``."""
-    if not _one_reader(node) or storage_root(node) is not node:
+    if not one_reader(node) or storage_root(node) is not node:
         return False
     want, have = x.meta.get("val"), node.meta.get("val")
     if not isinstance(want, torch.Tensor) or not isinstance(have, torch.Tensor):

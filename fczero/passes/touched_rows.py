@@ -67,7 +67,7 @@ import torch.fx as fx
 
 from fczero.comm.graph_ops import op_name
 from fczero.core.memory import nbytes
-from fczero.passes.graph_utils import fake_mode_of, insert, recompile
+from fczero.passes.graph_utils import fake_mode_of, insert, is_cast, one_reader, recompile
 from fczero.passes.matching import NOT_A_PARAM_COLLECTIVE, Collective, find_gathers, find_reduces
 
 logger = logging.getLogger("fczero")
@@ -79,7 +79,6 @@ c10d = torch.ops._c10d_functional
 #: The gathered ids and rows may be at most this share of the table's bytes.
 MAX_SHARE = 0.25
 
-_CASTS = ("convert_element_type", "_to_copy")
 _ACCUMULATES = ("_unsafe_masked_index_put_accumulate", "_unsafe_index_put", "index_put")
 
 
@@ -178,12 +177,7 @@ def _look_up(graph: fx.Graph, fake_mode, g: Collective, lookup: fx.Node, rank: i
         flat = add(aten.reshape.default, ids, [n])
         flat = add(prims.convert_element_type.default, flat, torch.int64)
         every_id = _gathered(add, flat, g.group_size, g.group_name)
-        local = add(aten.sub.Tensor, every_id, rank * shard_rows) if rank else every_id
-        inside = add(
-            aten.bitwise_and.Tensor,
-            add(aten.ge.Scalar, local, 0),
-            add(aten.lt.Scalar, local, shard_rows),
-        )
+        local, inside = _in_shard(add, every_id, rank * shard_rows, shard_rows)
         ones = add(prims.convert_element_type.default, inside, torch.int64)
         local = add(aten.mul.Tensor, local, ones)
         found = add(aten.embedding.default, shard, local)  # row 0 where the id is another rank's
@@ -205,7 +199,7 @@ def _shard_input(g: Collective) -> fx.Node:
     that prep, and so the gather, to the graph's start); else what the gather sends."""
     sent = g.input.meta["val"]
     node = g.input
-    while op_name(node) in _CASTS and isinstance(node.args[0], fx.Node):
+    while is_cast(node):
         node = node.args[0]
     val = node.meta.get("val")
     # (same device: with params offloaded the graph input is the shard in host memory)
@@ -228,13 +222,13 @@ def _match(r: Collective) -> _Scatter | None:
     chain: list[fx.Node] = []
     divisor = None
     node = r.input
-    while _one_reader(node):
+    while one_reader(node):
         name = op_name(node)
         if name in _ACCUMULATES:
             return _scatter_of(node, r, divisor, chain)
         if name == "div" and isinstance(node.args[1], (int, float)) and divisor is None:
             divisor = node.args[1]
-        elif not (name in _CASTS and _is_float(node.args[0]) or _pads_rows(node)):
+        elif not (is_cast(node) and _is_float(node.args[0]) or _pads_rows(node)):
             return None
         chain.append(node)
         node = node.args[1] if name == "slice_scatter" else node.args[0]
@@ -250,7 +244,7 @@ def _scatter_of(node: fx.Node, r: Collective, divisor, chain: list[fx.Node]) -> 
         keep = None
     else:
         return None
-    fresh = _one_reader(zeros) and _zeros(zeros)
+    fresh = one_reader(zeros) and _zeros(zeros)
     if not (fresh and len(indices) == 1 and isinstance(indices[0], fx.Node)):
         return None
     table, ids = node.meta["val"], indices[0].meta["val"]
@@ -303,12 +297,7 @@ def _rewrite(graph: fx.Graph, fake_mode, s: _Scatter, rank: int) -> None:
         every_row = _gathered(add, rows, world, name)
         if source.meta["val"].dtype != table.dtype:
             every_row = add(prims.convert_element_type.default, every_row, table.dtype)
-        local = add(aten.sub.Tensor, every_id, first) if first else every_id
-        inside = add(
-            aten.bitwise_and.Tensor,
-            add(aten.ge.Scalar, local, 0),
-            add(aten.lt.Scalar, local, shard_rows),
-        )
+        local, inside = _in_shard(add, every_id, first, shard_rows)
         zeros = add(
             aten.full.default, [shard_rows, width], 0,
             dtype=table.dtype, device=table.device, pin_memory=False,
@@ -327,6 +316,15 @@ def _rewrite(graph: fx.Graph, fake_mode, s: _Scatter, rank: int) -> None:
     _erase_if_unread(list(dict.fromkeys(replaced)))
 
 
+def _in_shard(add, ids: fx.Node, first: int, rows: int) -> tuple[fx.Node, fx.Node]:
+    """``ids`` counted from this rank's ``first`` row, and whether each falls in its ``rows``."""
+    local = add(aten.sub.Tensor, ids, first) if first else ids
+    inside = add(
+        aten.bitwise_and.Tensor, add(aten.ge.Scalar, local, 0), add(aten.lt.Scalar, local, rows)
+    )
+    return local, inside
+
+
 def _gathered(add, x: fx.Node, world: int, group: str) -> fx.Node:
     """``x`` of every rank, concatenated along dim 0 (issued and waited here)."""
     ag = add(c10d.all_gather_into_tensor.default, x, world, group)
@@ -340,15 +338,11 @@ def _narrow_source(s: _Scatter) -> fx.Node:
     so gathering the source moves fewer bytes. Else the rows themselves."""
     rows = s.rows
     readers = set(rows.users) - {s.table.args[0]}
-    if op_name(rows) in _CASTS and len(readers) == 1 and _is_float(rows.args[0]):
+    if is_cast(rows) and len(readers) == 1 and _is_float(rows.args[0]):
         source = rows.args[0].meta["val"]
         if source.element_size() < rows.meta["val"].element_size():
             return rows.args[0]
     return rows
-
-
-def _one_reader(node) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and len(node.users) == 1
 
 
 def _is_float(node) -> bool:
