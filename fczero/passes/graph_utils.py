@@ -110,7 +110,10 @@ def stable_topological_sort(graph: fx.Graph) -> None:
             order.append(n)
             placed.add(n)
             for blocked in waiting.pop(n, []):
-                if all(a in placed for a in blocked.all_input_nodes):
+                missing = [a for a in blocked.all_input_nodes if a not in placed]
+                if missing:  # (still waiting: on the next of its inputs not yet placed)
+                    waiting.setdefault(missing[0], []).append(blocked)
+                else:
                     stack.append(blocked)
 
     for node in list(graph.nodes):

@@ -20,7 +20,9 @@ a single-process reference:
 - ``BartForConditionalGeneration``: an encoder-decoder with learned positions, the shared
   embedding read by both stacks and tied to the head, cross-attention.
 
-Skipped when ``transformers`` is not installed.
+Compiled whole, the graphs go through fczero's passes as under Inductor (AOT autograd, the
+passes, then run eagerly): buckets, prefetch, and with a vocabulary of 1021 the token
+embeddings' lookups and grads by touched rows. Skipped when ``transformers`` is not installed.
 """
 
 from __future__ import annotations
@@ -28,10 +30,14 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 import torch.nn as nn
+from torch._decomp.decompositions import embedding_dense_backward
 
+from fczero.passes.matching import NOT_A_PARAM_COLLECTIVE
 from fczero.runtime.units import auto_unit_paths
 from fczero.testing import parity
+from fczero.testing.backends import recording
 from fczero.testing.distributed import run_on_ranks
 from tests.cases import compile_blocks
 from tests.models import token_batches
@@ -40,7 +46,12 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (a test extra: pip install -e .[test])"
 )
 
+aten = torch.ops.aten
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
+#: wide enough that a rank's tokens and their rows are under a quarter of each token
+#: embedding's bytes, so compiled whole the lookups and grads go by touched rows (pass 0a,
+#: fczero/passes/touched_rows.py); odd, so the tables are padded at 2 ranks
+VOCAB = 1021
 MODES = ("eager", "whole", "blocks")
 
 
@@ -50,7 +61,7 @@ class T5(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         config = transformers.T5Config(
-            vocab_size=64, d_model=32, d_kv=8, d_ff=40, num_layers=2, num_decoder_layers=2,
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=40, num_layers=2, num_decoder_layers=2,
             num_heads=4, dropout_rate=0.0, tie_word_embeddings=True,
             decoder_start_token_id=0, pad_token_id=0,
         )  # fmt: skip
@@ -66,7 +77,7 @@ class Mixtral(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         config = transformers.MixtralConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
             num_experts_per_tok=1, max_position_embeddings=64,
         )  # fmt: skip
@@ -82,7 +93,7 @@ class GPT2(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         config = transformers.GPT2Config(
-            vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         )  # fmt: skip
         self.lm = transformers.GPT2LMHeadModel(config)
@@ -105,7 +116,7 @@ class _MaskedLM(nn.Module):
 def Bert() -> nn.Module:
     """``BertForMaskedLM``, 2 layers."""
     return _MaskedLM(transformers.BertForMaskedLM, transformers.BertConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
         num_attention_heads=4, max_position_embeddings=64,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     ))  # fmt: skip
@@ -114,7 +125,7 @@ def Bert() -> nn.Module:
 def Albert() -> nn.Module:
     """``AlbertForMaskedLM``: 3 layers sharing one layer's params."""
     return _MaskedLM(transformers.AlbertForMaskedLM, transformers.AlbertConfig(
-        vocab_size=64, embedding_size=16, hidden_size=32, intermediate_size=40,
+        vocab_size=VOCAB, embedding_size=16, hidden_size=32, intermediate_size=40,
         num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     ))  # fmt: skip
@@ -126,7 +137,7 @@ class Bart(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         config = transformers.BartConfig(
-            vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2,
+            vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
             encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=40,
             decoder_ffn_dim=40, max_position_embeddings=64, dropout=0.0,
             attention_dropout=0.0, activation_dropout=0.0,
@@ -142,16 +153,32 @@ class Bart(nn.Module):
 MODELS = {"t5": T5, "mixtral": Mixtral, "gpt2": GPT2, "bert": Bert, "albert": Albert, "bart": Bart}
 
 
+def _batches():
+    return token_batches(steps=3, vocab=VOCAB)
+
+
+def _with_passes(graphs: list):
+    """AOT autograd with fczero's passes, as Inductor runs them, the embedding's backward
+    lowered as Inductor lowers it (so the touched-rows pass sees what it sees there); the
+    rewritten graphs are appended to ``graphs``."""
+    decompositions = {aten.embedding_dense_backward.default: embedding_dense_backward}
+    return recording(graphs, decompositions=decompositions)
+
+
 def _train(rank: int, world: int) -> dict[tuple[str, str], parity.Trace]:
     out = {}
     for name, build in MODELS.items():
         for mode in MODES:
             blocks = functools.partial(compile_blocks, backend="aot_eager")
+            graphs: list = []
             out[name, mode] = parity.train_parallel(
-                rank, world, build, token_batches(steps=3), parity.cross_entropy,
+                rank, world, build, _batches(), parity.cross_entropy,
                 finish=blocks if mode == "blocks" else None,
-                compile_backend="aot_eager" if mode == "whole" else None,
+                compile_backend=_with_passes(graphs) if mode == "whole" else None,
             )  # fmt: skip
+            out[name, "rows"] = out.get((name, "rows"), 0) + sum(
+                1 for g in graphs for n in g.graph.nodes if n.meta.get(NOT_A_PARAM_COLLECTIVE)
+            )
     return out
 
 
@@ -175,8 +202,15 @@ def traces():
     return run_on_ranks(_train, 2)[0]
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_compiled_whole_their_embeddings_go_by_touched_rows(traces, name):
+    """The lookups and grads of each model's token embedding are rewritten (so the parity
+    test below checks the rewrite on each of them): two all-gathers each at least."""
+    assert traces[name, "rows"] >= 4
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_trains_like_one_process(traces, name, mode):
-    expected = parity.train_reference(MODELS[name], token_batches(steps=3), parity.cross_entropy)
+    expected = parity.train_reference(MODELS[name], _batches(), parity.cross_entropy)
     parity.assert_close(traces[name, mode], expected, **FP32)

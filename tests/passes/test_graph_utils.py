@@ -65,6 +65,22 @@ def test_the_sort_moves_only_what_runs_before_its_input():
     g.lint()
 
 
+def test_the_sort_places_a_node_whose_inputs_all_stand_after_it():
+    """A node left before two of its inputs waits for the first, then for the second: it
+    must not be dropped (reported as a cycle) once the first is placed. A bucketed
+    reduce-scatter left such a node in ALBERT's backward (tests/e2e/test_hf_models.py)."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(aten.neg.default, (x,))
+    b = g.call_function(aten.relu.default, (x,))
+    s = g.call_function(aten.add.Tensor, (a, b))
+    g.output(s)
+    x.append(s)  # x, s, a, b: s before both of its inputs, the first of them placed first
+    stable_topological_sort(g)
+    assert list(g.nodes)[:4] == [x, a, b, s]
+    g.lint()
+
+
 def test_nodes_order_by_where_they_stand_after_moves():
     """[Note: nodes compare by their place in the graph]: what ``in_graph_order`` and the
     schedule's comparisons rely on, torch's sort key, kept through moves."""
