@@ -20,6 +20,11 @@ a single-process reference:
 - ``BartForConditionalGeneration``: an encoder-decoder with learned positions, the shared
   embedding read by both stacks and tied to the head, cross-attention.
 
+Three more with Hugging Face's own ``gradient_checkpointing_enable()``, compiled whole:
+``Qwen2MoeForCausalLM`` (routed and shared experts, grouped-query attention, tied),
+``OPTForCausalLM`` (learned positions at an offset) and ``M2M100ForConditionalGeneration``
+(sinusoidal positions, one embedding for both stacks and the head).
+
 Compiled whole, the graphs go through fczero's passes as under Inductor (AOT autograd, the
 passes, then run eagerly): buckets, prefetch, and with a vocabulary of 1021 the token
 embeddings' lookups and grads by touched rows. Skipped when ``transformers`` is not installed.
@@ -148,9 +153,60 @@ class Bart(nn.Module):
         return self.bart(input_ids=tokens, decoder_input_ids=tokens, use_cache=False).logits
 
 
+class _WithItsCheckpointing(nn.Module):
+    """A model with Hugging Face's own ``gradient_checkpointing_enable()`` (non-reentrant),
+    returning logits; ``both``: the tokens feed an encoder-decoder's two stacks."""
+
+    def __init__(self, model_class, config, both: bool = False) -> None:
+        super().__init__()
+        self.hf = model_class(config)
+        kwargs = {"use_reentrant": False}
+        self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        self.hf.train()
+        self.both = both
+
+    def forward(self, tokens):
+        stacks = {"decoder_input_ids": tokens} if self.both else {}
+        return self.hf(input_ids=tokens, use_cache=False, **stacks).logits
+
+
+def Qwen2Moe() -> nn.Module:
+    """``Qwen2MoeForCausalLM``: 4 routed experts (top 1) and a shared expert per block,
+    grouped-query attention, tied embeddings."""
+    return _WithItsCheckpointing(transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=1,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        max_position_embeddings=64, tie_word_embeddings=True,
+    ))  # fmt: skip
+
+
+def Opt() -> nn.Module:
+    """``OPTForCausalLM``: learned positions read at an offset of 2, the head tied."""
+    return _WithItsCheckpointing(transformers.OPTForCausalLM, transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=32, ffn_dim=40, num_hidden_layers=2,
+        num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=64, dropout=0.0,
+    ))  # fmt: skip
+
+
+def M2M100() -> nn.Module:
+    """``M2M100ForConditionalGeneration``: sinusoidal positions, scaled token embeddings
+    shared by both stacks and the head."""
+    config = transformers.M2M100Config(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=40,
+        decoder_ffn_dim=40, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+    )  # fmt: skip
+    return _WithItsCheckpointing(transformers.M2M100ForConditionalGeneration, config, both=True)
+
+
+#: with their own checkpointing, compiled whole only (fczero's passes on checkpointed graphs)
+CHECKPOINTED = {"qwen2moe": Qwen2Moe, "opt": Opt, "m2m100": M2M100}
+
 #: name -> the model; SGD: AdamW's step turns the router's rounding-level grad differences
 #: (about 1e-9) into param differences above the fp32 tolerance
 MODELS = {"t5": T5, "mixtral": Mixtral, "gpt2": GPT2, "bert": Bert, "albert": Albert, "bart": Bart}
+ALL_MODELS = {**MODELS, **CHECKPOINTED}
 
 
 def _batches():
@@ -167,18 +223,18 @@ def _with_passes(graphs: list):
 
 def _train(rank: int, world: int) -> dict[tuple[str, str], parity.Trace]:
     out = {}
-    for name, build in MODELS.items():
-        for mode in MODES:
-            blocks = functools.partial(compile_blocks, backend="aot_eager")
-            graphs: list = []
-            out[name, mode] = parity.train_parallel(
-                rank, world, build, _batches(), parity.cross_entropy,
-                finish=blocks if mode == "blocks" else None,
-                compile_backend=_with_passes(graphs) if mode == "whole" else None,
-            )  # fmt: skip
-            out[name, "rows"] = out.get((name, "rows"), 0) + sum(
-                1 for g in graphs for n in g.graph.nodes if n.meta.get(NOT_A_PARAM_COLLECTIVE)
-            )
+    runs = [(name, mode) for name in MODELS for mode in MODES]
+    blocks = functools.partial(compile_blocks, backend="aot_eager")
+    for name, mode in runs + [(name, "whole") for name in CHECKPOINTED]:
+        graphs: list = []
+        out[name, mode] = parity.train_parallel(
+            rank, world, ALL_MODELS[name], _batches(), parity.cross_entropy,
+            finish=blocks if mode == "blocks" else None,
+            compile_backend=_with_passes(graphs) if mode == "whole" else None,
+        )  # fmt: skip
+        out[name, "rows"] = out.get((name, "rows"), 0) + sum(
+            1 for g in graphs for n in g.graph.nodes if n.meta.get(NOT_A_PARAM_COLLECTIVE)
+        )
     return out
 
 
@@ -202,7 +258,7 @@ def traces():
     return run_on_ranks(_train, 2)[0]
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", list(ALL_MODELS))
 def test_compiled_whole_their_embeddings_go_by_touched_rows(traces, name):
     """The lookups and grads of each model's token embedding are rewritten (so the parity
     test below checks the rewrite on each of them): two all-gathers each at least."""
@@ -214,3 +270,9 @@ def test_compiled_whole_their_embeddings_go_by_touched_rows(traces, name):
 def test_trains_like_one_process(traces, name, mode):
     expected = parity.train_reference(MODELS[name], _batches(), parity.cross_entropy)
     parity.assert_close(traces[name, mode], expected, **FP32)
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTED))
+def test_with_their_own_checkpointing_compiled_whole_trains_like_one_process(traces, name):
+    expected = parity.train_reference(CHECKPOINTED[name], _batches(), parity.cross_entropy)
+    parity.assert_close(traces[name, "whole"], expected, **FP32)
