@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fczero.comm.collectives import settle_in_flight
 from fczero.comm.consistency import EagerLog
 from fczero.comm.whole_grads import Reducer, Route
 from fczero.core.cuda_graphs import keep_first_grad_out_of_pool
@@ -341,6 +342,8 @@ class GatherOrder:
         self.bucket_of: dict[int, list[int]] = {}  # position -> its bucket (positions)
         # position -> unsharded bytes that issuing it issues (its whole bucket's, if any)
         self.issue_bytes: list[int] = []
+        # position -> whether it belongs to the unit of the position before it
+        self.unit_goes_on: list[bool] = []
 
 
 class EagerForward:
@@ -432,7 +435,9 @@ def _grad_arrived(state: weakref.ref, leaf: torch.Tensor) -> None:
     held = param.grad
     if held is None:
         param.grad = sharded_grad(grad, param._spec)
-    else:  # accumulated over steps without zero_grad, as AccumulateGrad would
+    else:  # accumulated over steps without zero_grad, as AccumulateGrad would; an eager
+        # bucket's reduce may still be in flight ([Note: a reduce-scatter left in flight])
+        settle_in_flight()
         held._local_tensor.add_(grad)
 
 

@@ -19,8 +19,11 @@ bucket works per bucket, never per member, wherever it can:
                split_with_sizes_copy), under one autograd node for the bucket whose
                inputs are the members' leaves (or sharded params; no node per member)
     backward:  the members' grads laid out rank-major in the reduce dtype (one cat,
-               or one _chunk_cat where rows need padding) -> divided in place -> one
-               reduce_scatter_tensor (HSDP: then one all-reduce) -> each shard's rows
+               or one _chunk_cat where rows need padding) -> one reduce_scatter_tensor
+               that averages (NCCL; elsewhere divided in place first, then summed; HSDP:
+               then one all-reduce) -> each shard's rows, the reduce left in flight
+               ([Note: a reduce-scatter left in flight] in
+               fczero.comm.collectives)
 
 [Note: a bucket never spans two units]
 A unit (``fczero.runtime.units``) asks for all its params when its forward begins. A
@@ -128,6 +131,14 @@ def issue_bytes(sizes: list[int], bucket_of: dict[int, list[int]]) -> list[int]:
     return total
 
 
+def unit_goes_on(entries: list[tuple[ShardSpec, torch.Tensor, bool]]) -> list[bool]:
+    """Per position of the recorded order, whether its gather belongs to the same unit as
+    the gather before it ([Note: the next unit goes out whole] in fczero.runtime.prefetch);
+    a param in no unit never does."""
+    paths = [spec.unit_path for spec, _, _ in entries]
+    return [i > 0 and path is not None and path == paths[i - 1] for i, path in enumerate(paths)]
+
+
 def rank_major(
     grads: tuple[torch.Tensor, ...], layouts: tuple[FlatLayout, ...], world: int, out: torch.Tensor
 ) -> None:
@@ -196,9 +207,15 @@ class _BucketGather(torch.autograd.Function):
                 (world, sum(layout.numel for layout in layouts)), dtype=reduce_dtype
             )
             rank_major(grads, layouts, world, flat)
-            collectives.average_(flat, world, replicate)
-            reduced = collectives.reduce_scatter_sum(flat.view(-1), world, spec0.reduce_group_name)
-            reduced = collectives.over_replicas(reduced, replicate)
+            if replicate is None and not torch.is_grad_enabled():
+                reduced = collectives.reduce_scatter_mean_in_flight(
+                    flat.view(-1), world, spec0.reduce_group_name
+                )
+                collectives.hold_in_flight(reduced)  # ([Note: a reduce-scatter left in flight])
+            else:  # (HSDP's all-reduce, and a double backward's grads, need it now)
+                collectives.average_(flat, world, replicate)
+                reduced = collectives.reduce_scatter_sum(flat.view(-1), world, spec0.reduce_group_name)
+                reduced = collectives.over_replicas(reduced, replicate)
             pieces = _shard_rows(reduced, layouts)
         out = [
             sharded_grad(piece, spec) if spec is not None else piece
@@ -224,7 +241,10 @@ def _own_grads(
 
 def _shard_rows(reduced: torch.Tensor, layouts: tuple[FlatLayout, ...]) -> list[torch.Tensor]:
     """Each member's rows of this rank's reduced flat shard, in its shard's dtype: one
-    split for the bucket, a view per member, a slice only where padding rows follow."""
+    split for the bucket, a view per member, a slice only where padding rows follow. A
+    cast reads the rows, so a reduce still in flight is waited first."""
+    if any(layout.shard_dtype != reduced.dtype for layout in layouts):
+        collectives.wait_on(reduced)
     pieces = []
     for piece, layout in zip(reduced.split([layout.numel for layout in layouts]), layouts):
         piece = piece.view(layout.rows_per_rank, *layout.row_shape)

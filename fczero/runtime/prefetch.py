@@ -136,7 +136,16 @@ class EagerPrefetch(GatherOrder):
         return bucket[-1] + 1
 
     def _issue_ahead(self, n: int, context: EagerContext) -> None:
-        """Issue the gathers after the n-th while they fit in the window (at least one)."""
+        """Issue the gathers after the n-th while they fit in the window (at least one),
+        and the rest of a unit whose first gathers are issued.
+
+        [Note: the next unit goes out whole]
+        A unit asks for all its params when its forward begins, so a unit larger than the
+        window (two buckets of Hugging Face's 3B Llama block: 192 MiB against 128) would
+        issue its second bucket there and wait for it at once. In regime R with each block
+        compiled that left half a block's all-gather exposed per block. So once a unit's
+        first bucket is issued ahead, the rest of that unit goes out with it: in flight
+        are at most the window and one unit, as FSDP2 prefetches the next block whole."""
         issue_bytes = self.issue_bytes
         ahead = self._ahead  # what _ready holds: every position in it is after n
         j = max(self._issued, n + 1)
@@ -145,7 +154,7 @@ class EagerPrefetch(GatherOrder):
                 j += 1
                 continue
             size = issue_bytes[j]
-            if not eager_buckets.fits(ahead, size, self.window):
+            if not (eager_buckets.fits(ahead, size, self.window) or self.unit_goes_on[j]):
                 break
             j = self._issue(j, context)
             ahead += size
@@ -160,6 +169,7 @@ class EagerPrefetch(GatherOrder):
             self.bucket_of, self.issue_bytes = eager_buckets.positions(
                 self.order, self.bucket_bytes, self.sizes
             )
+            self.unit_goes_on = eager_buckets.unit_goes_on(self.order)
         for ready in self._ready.values():
             if isinstance(ready, _Member):
                 ready.bucket.settle()

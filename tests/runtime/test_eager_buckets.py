@@ -433,3 +433,96 @@ def test_issue_bytes_counts_a_whole_bucket_at_each_member():
     bucket = [1, 2]
     assert eager_buckets.issue_bytes([1, 2, 3, 4], {1: bucket, 2: bucket}) == [1, 5, 5, 4]
     assert eager_buckets.issue_bytes([7], {}) == [7]
+
+
+class _OpSequence(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every op dispatched below autograd, by name, in order; with ``with_storage``, each
+    collective and wait also with the storage of the tensor it produces or waits for."""
+
+    def __init__(self, with_storage: bool = False) -> None:
+        super().__init__()
+        self.names: list[str] = []
+        self.events: list[tuple[str, int | None]] = []
+        self._with_storage = with_storage
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        out = func(*args, **(kwargs or {}))
+        self.names.append(name)
+        if self._with_storage:
+            t = args[0] if name == "wait_tensor" else out
+            key = t.untyped_storage().data_ptr() if name in _COLLECTIVE_EVENTS else None
+            self.events.append((name, key))
+        return out
+
+
+_COLLECTIVE_EVENTS = ("reduce_scatter_tensor", "wait_tensor")
+
+
+class _TwoLinearBlocks(torch.nn.Module):
+    """Four blocks of two Linear(16, 16) each: a unit of two buckets at one Linear's bytes."""
+
+    LINEAR = (16 * 16 + 16) * 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+            for _ in range(4)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _bucketed_two_linear_blocks() -> torch.nn.Module:
+    policy = fczero.CommPolicy(bucket_bytes=_TwoLinearBlocks.LINEAR, keep_unsharded=0)
+    model = fczero.parallelize(_TwoLinearBlocks(), init_device_mesh("cpu", (2,)), comm_policy=policy)
+    model(torch.randn(4, 16)).sum().backward()  # the first step records the order
+    model.zero_grad(set_to_none=True)
+    return model
+
+
+def test_the_next_unit_goes_out_whole(fake_pg):
+    """A unit of two buckets, with a window of one: when a block begins to compute, both
+    buckets of the block after it are in flight ([Note: the next unit goes out whole]),
+    not only the first (the second would be issued and waited for when that block begins)."""
+    model = _bucketed_two_linear_blocks()
+    with _OpSequence() as ops:
+        model(torch.randn(4, 16)).sum()
+    gathers_before_block = []
+    gathers = 0
+    matmuls = 0
+    for name in ops.names:
+        if name == "all_gather_into_tensor":
+            gathers += 1
+        elif name in ("addmm", "mm"):
+            if matmuls % 2 == 0:  # a block's first matmul
+                gathers_before_block.append(gathers)
+            matmuls += 1
+    assert gathers == 8  # two buckets a block
+    assert gathers_before_block == [4, 6, 8, 8]
+
+
+def test_a_bucket_reduce_stays_in_flight_until_the_next(fake_pg):
+    """Backward waits for a bucket's reduce-scatter only after it issues the next one
+    (the block before computes its grads in between), and for the last when it ends: one
+    reduce in flight at a time, none left after backward ([Note: a reduce-scatter left in
+    flight])."""
+    from fczero.testing.distributed import pending_collectives
+
+    model = _bucketed_two_linear_blocks()
+    loss = model(torch.randn(4, 16)).sum()
+    with _OpSequence(with_storage=True) as ops:
+        loss.backward()
+    assert pending_collectives() == 0
+    reduces = [(i, key) for i, (name, key) in enumerate(ops.events) if name == "reduce_scatter_tensor"]
+    assert len(reduces) == 8  # two buckets a block; a block's two reduce when its grads are in
+    for k, (i, key) in enumerate(reduces):
+        waited = next(j for j in range(i + 1, len(ops.events)) if ops.events[j] == ("wait_tensor", key))
+        if k + 1 < len(reduces):
+            assert waited > reduces[k + 1][0], k  # waited after the next reduce is issued
+        if k % 2 == 1 and k + 1 < len(reduces):  # a block's last: the block before computes
+            assert "mm" in [name for name, _ in ops.events[i:waited]], k
