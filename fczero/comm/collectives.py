@@ -28,8 +28,6 @@ together outside any graph (a minimum headroom, a finite-grad flag, the grad nor
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -179,8 +177,8 @@ def reduce_scatter_mean_in_flight(full: torch.Tensor, group_size: int, group_nam
     return _c10d.wait_tensor(out) if one_at_a_time(group_name) else out
 
 
-class _ReduceInFlight(threading.local):
-    """The last reduce-scatter that an eager backward left in flight (per thread).
+class _ReduceInFlight:
+    """The last reduce-scatter that an eager backward left in flight.
 
     [Note: a reduce-scatter left in flight]
     An eager bucket's backward (``fczero.runtime.eager_buckets``) returns its members'
@@ -201,7 +199,12 @@ class _ReduceInFlight(threading.local):
     bucket whose rows are cast waits at once, and so do a backward that builds a graph of
     its grads (``create_graph``) and an HSDP bucket (its all-reduce reads the rows). On
     gloo the collective is waited when issued ([Note: one gloo collective in flight]) and
-    the bookkeeping runs as on NCCL."""
+    the bookkeeping runs as on NCCL.
+
+    One record for the process, not one per thread: autograd may run the engine's final
+    callback on another thread than the node that issued the reduce (a device's worker
+    thread, or the caller's), and the callback must find the reduce. A wait too early is
+    only slower; a missed one would let the optimizer read a grad still being reduced."""
 
     def __init__(self) -> None:
         self.last: torch.Tensor | None = None

@@ -451,13 +451,13 @@ class _OpSequence(torch.utils._python_dispatch.TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.names.append(name)
         if self._with_storage:
-            t = args[0] if name == "wait_tensor" else out
-            key = t.untyped_storage().data_ptr() if name in _COLLECTIVE_EVENTS else None
+            t = {"wait_tensor": args[0], "add_": args[-1]}.get(name, out)
+            key = t.untyped_storage().data_ptr() if name in _STORAGE_EVENTS else None
             self.events.append((name, key))
         return out
 
 
-_COLLECTIVE_EVENTS = ("reduce_scatter_tensor", "wait_tensor")
+_STORAGE_EVENTS = ("reduce_scatter_tensor", "wait_tensor", "add_")
 
 
 class _TwoLinearBlocks(torch.nn.Module):
@@ -527,3 +527,27 @@ def test_a_bucket_reduce_stays_in_flight_until_the_next(fake_pg):
             assert waited > reduces[k + 1][0], k  # waited after the next reduce is issued
         if k % 2 == 1 and k + 1 < len(reduces):  # a block's last: the block before computes
             assert "mm" in [name for name, _ in ops.events[i:waited]], k
+
+
+def test_an_accumulated_grad_waits_for_its_reduce_first(fake_pg):
+    """A second backward without zero_grad adds each reduced grad to the one the param
+    holds: the reduce it comes from is waited before the add reads it, even while the
+    reduce is left in flight for the next bucket's ([Note: a reduce-scatter left in
+    flight])."""
+    model = _bucketed_two_linear_blocks()
+    model(torch.randn(4, 16)).sum().backward()  # the grads the next backward adds to
+    loss = model(torch.randn(4, 16)).sum()
+    with _OpSequence(with_storage=True) as ops:
+        loss.backward()
+    reduced: dict[int, int] = {}  # storage -> index of the reduce that wrote it last
+    waited: set[int] = set()  # reduces waited so far, by index
+    adds = 0
+    for i, (name, key) in enumerate(ops.events):
+        if name == "reduce_scatter_tensor":
+            reduced[key] = i
+        elif name == "wait_tensor" and key in reduced:
+            waited.add(reduced[key])
+        elif name == "add_" and key in reduced:
+            assert reduced[key] in waited, i  # the add read a reduce still in flight
+            adds += 1
+    assert adds == 16  # every param's grad, each from its bucket's reduce
