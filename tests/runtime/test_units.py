@@ -255,14 +255,15 @@ def test_reused_blocks_keep_their_inputs(fake_pg, monkeypatch, caplog):
     from fczero.runtime import units
 
     monkeypatch.setattr(units, "REUSE_BLOCKS", True)
-    monkeypatch.setattr(functorch_config, "donated_buffer", True)
-    with caplog.at_level(logging.INFO, logger="fczero"):
-        fczero.parallelize(_four_blocks(), init_device_mesh("cpu", (2,)))
-    assert functorch_config.donated_buffer is False
+    # (config.patch, not monkeypatch: on torch 2.11 monkeypatch's undo deletes the setting)
+    with functorch_config.patch(donated_buffer=True):
+        with caplog.at_level(logging.INFO, logger="fczero"):
+            fczero.parallelize(_four_blocks(), init_device_mesh("cpu", (2,)))
+        assert functorch_config.donated_buffer is False
     assert "donated_buffer=False" in caplog.text
 
 
-def test_a_region_backward_under_inductor_needs_its_inputs_kept(monkeypatch):
+def test_a_region_backward_under_inductor_needs_its_inputs_kept():
     """The torch behaviour behind the note, without fczero: an embedding, then three
     calls of one ``nested_compile_region``, compiled by Inductor. With donated buffers
     the embedding's grad is built in the buffer of the grad it reads (torch 2.11 and
@@ -288,9 +289,11 @@ def test_a_region_backward_under_inductor_needs_its_inputs_kept(monkeypatch):
     expected = torch.autograd.grad(loss(tokens, block), emb)[0]
     errors = {}
     for donated in (True, False):
-        monkeypatch.setattr(functorch_config, "donated_buffer", donated)
         torch._dynamo.reset()
-        with torch._inductor.config.patch(force_disable_caches=True):
+        with (
+            functorch_config.patch(donated_buffer=donated),
+            torch._inductor.config.patch(force_disable_caches=True),
+        ):
             compiled = torch.compile(lambda t: loss(t, region), backend="inductor", fullgraph=True)
             errors[donated] = (torch.autograd.grad(compiled(tokens), emb)[0] - expected).abs().max()
     assert errors[False] < 1e-4
