@@ -208,16 +208,21 @@ class _ReduceInFlight:
 
     def __init__(self) -> None:
         self.last: torch.Tensor | None = None
+        self.task: int | None = None  # the backward (graph task) whose end settles ``last``
 
     def hold(self, reduced: torch.Tensor) -> None:
         if self.last is not None:
             wait_on(self.last)
-        else:  # the first since the last wait: wait for it when this backward ends at latest
+        task = torch._C._current_graph_task_id()
+        if task != self.task:  # the first of this backward: settle when it ends at latest
+            # (keyed on the backward, not on ``last``: a backward that raised ran no
+            # callback and left its last reduce here; the next one must still queue its own)
             torch.autograd.Variable._execution_engine.queue_callback(self.settle)
+            self.task = task
         self.last = reduced
 
     def settle(self) -> None:
-        last, self.last = self.last, None
+        last, self.last, self.task = self.last, None, None
         if last is not None:
             wait_on(last)
 

@@ -551,3 +551,23 @@ def test_an_accumulated_grad_waits_for_its_reduce_first(fake_pg):
             assert reduced[key] in waited, i  # the add read a reduce still in flight
             adds += 1
     assert adds == 16  # every param's grad, each from its bucket's reduce
+
+
+def test_a_backward_after_one_that_raised_waits_for_its_last_reduce(fake_pg):
+    """A backward that raises runs no end-of-backward callback and leaves its last reduce
+    in flight; the next backward waits for that one and for all of its own."""
+    from fczero.testing.distributed import pending_collectives
+
+    model = _bucketed_two_linear_blocks()
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def fail(grad):  # the input's grad comes last, after every bucket's reduce
+        raise RuntimeError("stop here")
+
+    x.register_hook(fail)
+    with pytest.raises(RuntimeError, match="stop here"):
+        model(x).sum().backward()
+    assert pending_collectives() == 1  # the raising backward's last reduce
+    model.zero_grad(set_to_none=True)  # (an add to a held grad would wait for it anyway)
+    model(torch.randn(4, 16)).sum().backward()
+    assert pending_collectives() == 0
