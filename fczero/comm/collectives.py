@@ -66,8 +66,13 @@ def one_at_a_time(group_name: str) -> bool:
     stage-1 reducer keep their logic (what is issued, when, and which result is used),
     so CPU tests still exercise it, but nothing overlaps on gloo. NCCL is not affected.
     """
-    # Not cached by name: a name is reused when process groups are destroyed and made again.
-    return dist.get_backend(_resolve_process_group(group_name)) == "gloo"
+    return backend_of(group_name) == "gloo"
+
+
+def backend_of(group_name: str) -> str:
+    """The backend of the process group named ``group_name`` (``"nccl"``, ``"gloo"``, ...).
+    Not cached by name: a name is reused when process groups are destroyed and made again."""
+    return dist.get_backend(_resolve_process_group(group_name))
 
 
 def settle(t: torch.Tensor) -> torch.Tensor:
@@ -171,10 +176,12 @@ def reduce_scatter_mean_in_flight(full: torch.Tensor, group_size: int, group_nam
     step. Other backends (gloo has no average) divide ``full`` in place, then sum. On gloo
     the result is waited at once ([Note: one gloo collective in flight])."""
     full = full.contiguous()
-    if dist.get_backend(_resolve_process_group(group_name)) == "nccl":
+    backend = backend_of(group_name)
+    if backend == "nccl":
         return _c10d.reduce_scatter_tensor(full, "avg", group_size, group_name)
-    out = _c10d.reduce_scatter_tensor(full.div_(group_size), "sum", group_size, group_name)
-    return _c10d.wait_tensor(out) if one_at_a_time(group_name) else out
+    averaged = average_(full, group_size, None)
+    out = _c10d.reduce_scatter_tensor(averaged, "sum", group_size, group_name)
+    return _c10d.wait_tensor(out) if backend == "gloo" else out
 
 
 class _ReduceInFlight:

@@ -44,6 +44,7 @@ import torch.fx as fx
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.tensor import DTensor
 
+from fczero.comm.collectives import backend_of
 from fczero.comm.graph_ops import collective_group, op_name
 
 logger = logging.getLogger("fczero")
@@ -56,7 +57,7 @@ class CollectiveMismatchError(RuntimeError):
 
 def _checkable(group_name: str) -> bool:
     """The fake process group (one process playing every rank) has no peers to ask."""
-    return dist.get_backend(c10d._resolve_process_group(group_name)) != "fake"
+    return backend_of(group_name) != "fake"
 
 
 def exchange(group_name: str, kind: str, entries: list[str], timeout_s: float, what: str) -> None:
