@@ -348,8 +348,7 @@ def build_fczero_per_block(ctx: ArmContext) -> Arm:
     model = build_model(ctx)
     root = LossModule(model)
     fczero.parallelize(root, ctx.mesh, mp_policy=_fczero_mp())
-    for block in model.layers:
-        block.compile(backend=ctx.compile_backend)
+    fczero.compile_blocks(root, backend=ctx.compile_backend)
     opt = adamw(root.parameters(), ctx)
     return Arm(step=train_step(root, opt), keep=[root, opt])
 

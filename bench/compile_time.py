@@ -16,7 +16,7 @@ AdamW step; compilation included) of four arms of ``bench.arms``:
 | floor | the plain model (bf16 autocast, no comm), ``torch.compile`` of the whole |
 | floor-per-block | the same, each block ``block.compile()``'d, the rest eager |
 | fczero-compiled | ``fczero.parallelize(model, mesh)`` (bf16 params), ``torch.compile`` of the whole |
-| fczero-per-block | the same, each block ``block.compile()``'d (its gathers eager, prefetched), the rest eager |
+| fczero-per-block | the same, each block compiled by ``fczero.compile_blocks`` (its gathers eager, prefetched), the rest eager |
 
 Each first step is split into parts, from torch's own compile-time accounting
 (``torch._dynamo.utils.calculate_time_spent``: the seconds each ``dynamo_timed`` phase took

@@ -13,6 +13,7 @@ from fczero.offload.optimizer import offload_optimizer_states
 from fczero.offload.report import MemoryReport, memory_report
 from fczero.runtime.accumulation import no_sync, set_requires_gradient_sync
 from fczero.runtime.clipping import clip_grad_norm_
+from fczero.runtime.compile_blocks import compile_blocks
 from fczero.runtime.grads import check_finite_grads
 from fczero.runtime.param_states import refresh_params
 
@@ -26,6 +27,7 @@ __all__ = [
     "check_finite_grads",
     "checkpoint",
     "clip_grad_norm_",
+    "compile_blocks",
     "is_parallelized",
     "memory_report",
     "no_sync",

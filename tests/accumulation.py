@@ -59,8 +59,7 @@ def train_accumulating(
     if backend is not None and backend.startswith(BLOCKS):  # each block compiled on its own
         name = backend[len(BLOCKS) :]
         counter = CompileCounterWithBackend(BACKENDS.get(name, name))
-        for block in model.layers:
-            block.compile(backend=counter)
+        fczero.compile_blocks(model, backend=counter)
     elif backend is not None:
         counter = CompileCounterWithBackend(BACKENDS.get(backend, backend))
         step_fn = torch.compile(model, backend=counter)

@@ -115,9 +115,9 @@ def run_cases(
     return train_each(rank, world_size, runs, device_type)
 
 
-#: A case backend ``blocks:<backend>``: after ``parallelize`` each block (each module of the
-#: model's first ``nn.ModuleList``) is compiled on its own with ``block.compile(backend=...)``,
-#: the rest eager ([Note: blocks compiled alone] in fczero/runtime/units.py).
+#: A case backend ``blocks:<backend>``: after ``parallelize`` each block is compiled on its
+#: own by ``fczero.compile_blocks(model, backend=...)``, the rest eager ([Note: blocks
+#: compiled alone] in fczero/runtime/units.py).
 BLOCKS = "blocks:"
 
 
@@ -131,9 +131,7 @@ def tiny_llama_with_inductor(rank: int, world_size: int, **options) -> parity.Tr
 
 
 def compile_blocks(model: nn.Module, backend: str) -> None:
-    blocks = next(m for m in model.modules() if isinstance(m, nn.ModuleList))
-    for block in blocks:
-        block.compile(backend=BACKENDS.get(backend, backend))
+    fczero.compile_blocks(model, backend=BACKENDS.get(backend, backend))
 
 
 def train_each(

@@ -127,3 +127,89 @@ def test_blocks_run_uncompiled_under_a_selective_checkpoint_and_say_so_once(fake
         assert len(said) == (1 if mode == "selective" else 0), said
         if said:
             assert "'layers.0'" in said[0] and "torch.compile(model)" in said[0]
+
+
+# ---- fczero.compile_blocks: the one call that finds the blocks and compiles each ----
+
+
+class _Holder(torch.nn.Module):
+    """A wrapper around a parallelized model (the user's loss module, say)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+
+def test_compile_blocks_compiles_every_block_once_and_leaves_the_rest_eager(fake_pg):
+    model = _parallel_llama()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+    paths = fczero.compile_blocks(_Holder(model), backend=counter)
+    assert paths == [f"model.layers.{i}" for i in range(4)]
+    for _ in range(2):
+        _step(model, 2, 8)
+    assert counter.frame_count == 1  # one body for the four blocks
+    compiled = {path: module.__dict__["_fczero"].unit.compiled is not None
+                for path, module in model.named_modules()
+                if getattr(module.__dict__.get("_fczero"), "unit", None) is not None}  # fmt: skip
+    assert compiled == {"embed": False, "norm": False, "output": False,
+                        **{f"layers.{i}": True for i in range(4)}}, compiled  # fmt: skip
+
+
+def test_compile_blocks_leaves_the_experts_inside_a_block_to_the_block(fake_pg):
+    """Experts named as units inside the blocks (a class of several, in an nn.ModuleList)
+    go with their block's compiled body. (Both stacks of an encoder-decoder:
+    tests/e2e/test_encoder_decoder.py.)"""
+    from tests.models.moe import loop_moe
+
+    torch.manual_seed(0)
+    moe = loop_moe()
+    expert_class = type(moe.layers[0].moe.experts[0])
+    fczero.parallelize(moe, init_device_mesh("cpu", (2,)),
+                       units=[type(moe.layers[0]), expert_class])  # fmt: skip
+    paths = fczero.compile_blocks(moe, backend="eager")
+    assert paths == [f"layers.{i}" for i in range(len(moe.layers))], paths
+
+
+def test_compile_blocks_says_what_to_do_with_a_model_it_cannot_serve(fake_pg):
+    plain = Llama(FOUR_BLOCKS)
+    try:
+        fczero.compile_blocks(plain)
+    except ValueError as e:
+        assert "not parallelized" in str(e) and "fczero.parallelize(model, mesh)" in str(e)
+    else:
+        raise AssertionError("a model that was never parallelized was accepted")
+    per_read = fczero.parallelize(Llama(FOUR_BLOCKS), init_device_mesh("cpu", (2,)), units=None)
+    try:
+        fczero.compile_blocks(per_read)
+    except ValueError as e:
+        assert "units=None" in str(e) and "units='auto'" in str(e)
+    else:
+        raise AssertionError("a model without units was accepted")
+    no_blocks = fczero.parallelize(
+        torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.LayerNorm(4)),
+        init_device_mesh("cpu", (2,)),
+    )
+    try:
+        fczero.compile_blocks(no_blocks)
+    except ValueError as e:
+        assert "Linear, LayerNorm" in str(e) or "LayerNorm, Linear" in str(e), str(e)
+        assert "torch.compile(model)" in str(e) and "units=[YourBlockClass]" in str(e)
+    else:
+        raise AssertionError("a model without blocks was accepted")
+    assert all(getattr(m.__dict__.get("_fczero"), "unit", None) is None
+               or m.__dict__["_fczero"].unit.compiled is None
+               for m in no_blocks.modules())  # nothing compiled  # fmt: skip
+
+
+def test_compile_blocks_takes_a_lone_block_and_leaves_a_sequentials_odd_members(fake_pg):
+    one_block = fczero.parallelize(
+        Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, ffn_dim=40)),
+        init_device_mesh("cpu", (2,)),
+    )
+    assert fczero.compile_blocks(one_block, backend="eager") == ["layers.0"]
+    torch.manual_seed(0)
+    stack = torch.nn.Sequential(
+        torch.nn.Embedding(64, 32), *(Llama(FOUR_BLOCKS).layers[:2]), torch.nn.Linear(32, 64)
+    )
+    fczero.parallelize(stack, init_device_mesh("cpu", (2,)))
+    assert fczero.compile_blocks(stack, backend="eager") == ["1", "2"]
