@@ -111,11 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
     sharding = p.add_argument_group("fczero")
     sharding.add_argument("--compile", action="store_true", help="torch.compile(model) (Inductor)")
     sharding.add_argument(
+        "--compile-blocks",
+        action="store_true",
+        help="fczero.compile_blocks(model): each block compiled on its own, the gathers eager "
+        "(a first step as short as one block's compile, slower steps than --compile)",
+    )
+    sharding.add_argument(
         "--compile-backend",
         choices=("inductor", "aot_eager"),
         default="inductor",
-        help="backend of --compile: inductor, or aot_eager (the same graphs run without "
-        "code generation or fczero's Inductor passes; compiles in seconds) (%(default)s)",
+        help="backend of --compile or --compile-blocks: inductor, or aot_eager (the same "
+        "graphs run without code generation or fczero's Inductor passes; compiles in "
+        "seconds) (%(default)s)",
     )
     sharding.add_argument(
         "--param-dtype",
@@ -210,6 +217,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         )
     if args.dim % args.heads:
         parser.error(f"--dim {args.dim} must be divisible by --heads {args.heads}")
+    if args.compile and args.compile_blocks:
+        parser.error("--compile and --compile-blocks exclude each other: pick the whole model "
+                     "(--compile) or each block (--compile-blocks)")  # fmt: skip
     if args.save_every < 0:
         parser.error("--save-every must be >= 0")
     if args.save_every and not args.save:
@@ -373,6 +383,9 @@ def _train_loop(
     is_main = rank == 0
     model = _build_model(args, mesh)
     forward = torch.compile(model, backend=args.compile_backend) if args.compile else model
+    blocks = []  # the paths --compile-blocks compiles
+    if args.compile_blocks:
+        blocks = fczero.compile_blocks(model, backend=args.compile_backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_schedule(args.steps))
     sampler = WindowSampler(
@@ -444,7 +457,8 @@ def _train_loop(
         steps=args.steps,
         world_size=world,
         backend=dist.get_backend(),
-        compiled=args.compile,
+        compiled=args.compile or args.compile_blocks,
+        compiled_blocks=blocks,
         params=n_params,
         first_loss=losses[0][1],
         last_loss=losses[-1][1],

@@ -53,6 +53,8 @@ class Summary:
     peak_memory_mib: float
     peak_memory_kind: str
     wall_s: float
+    compiled_blocks: list[str] = field(default_factory=list)
+    """The blocks ``--compile-blocks`` compiled on their own (their paths)."""
     losses: list[tuple[int, float]] = field(default_factory=list)
     """(step, loss) of every logged line: the first step's own, then each window's mean."""
     args: dict[str, object] = field(default_factory=dict)
@@ -117,7 +119,7 @@ class StepClock:
 def header_line(
     args: argparse.Namespace, n_params: int, world: int, backend: str, device: torch.device
 ) -> str:
-    mode = "compiled" if args.compile else "eager"
+    mode = "compiled" if args.compile else "each block compiled" if args.compile_blocks else "eager"
     dtypes = f"param {args.param_dtype or 'fp32'}, reduce {args.reduce_dtype or 'param'}"
     stage = "reshard after forward" if not args.no_reshard else "no reshard"
     if args.replicate > 1:

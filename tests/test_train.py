@@ -69,6 +69,10 @@ def test_cli_rejects_bad_flags_before_launching(capsys):
         train.main(["--dim", "130", "--heads", "4"])
     assert excinfo.value.code == 2
     assert "divisible" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as excinfo:
+        train.main(["--compile", "--compile-blocks"])
+    assert excinfo.value.code == 2
+    assert "exclude each other" in capsys.readouterr().err
 
 
 def test_cli_cuda_without_a_gpu_says_to_use_cpu(capsys, monkeypatch):
@@ -229,15 +233,17 @@ _COMPILE_FLAGS = {
     "eager": (),
     "aot_eager": ("--compile", "--compile-backend", "aot_eager"),
     "inductor": ("--compile",),
+    "blocks": ("--compile-blocks", "--compile-backend", "aot_eager"),
 }
 
 
 @pytest.mark.parametrize(
-    "mode", ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
+    "mode", ["eager", "aot_eager", "blocks", pytest.param("inductor", marks=pytest.mark.slow)]
 )
 def test_200_steps_track_the_single_process_reference(mode, tmp_path):
     """The main job at world size 2 follows one process's loss curve for 200 steps
-    (measured: at most 1e-6 apart, eager and aot_eager, torch 2.13 CPU)."""
+    (measured: at most 1e-6 apart, eager and aot_eager, torch 2.13 CPU), also with each
+    block compiled on its own (``--compile-blocks``)."""
     _, summary = _run_main_job(
         *TINY,
         "--steps",
@@ -248,6 +254,7 @@ def test_200_steps_track_the_single_process_reference(mode, tmp_path):
         tmp_path=tmp_path,
         timeout=600,
     )
+    assert summary["compiled_blocks"] == (["layers.0"] if mode == "blocks" else [])  # (1 layer)
     actual = [loss for _, loss in summary["losses"]]
     expected = _reference_losses(200)
     assert [step for step, _ in summary["losses"]] == list(range(1, 201))

@@ -10,8 +10,9 @@ A block here is a unit that is an element of a container (``layers.3``: an
 ``nn.ModuleList`` or ``nn.Sequential``) and whose class has other units in the model, or
 whose container holds units of its class only (a model of one layer): a decoder layer,
 an encoder's and a decoder's blocks. The other units (an embedding, a final norm, a head,
-the root; an embedding first in an ``nn.Sequential`` of blocks) stay eager. A block inside another block (experts named as units inside layers) is compiled
-with the block around it, not on its own.
+the root; an embedding first in an ``nn.Sequential`` of blocks) stay eager. A block
+inside another block (experts named as units inside layers) is compiled with the block
+around it, not on its own.
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ def compile_blocks(model: nn.Module, **options) -> list[str]:
         )
         raise ValueError(
             f"fczero.compile_blocks: no unit of this model is a block in a container "
-            f"(units: {classes}), so there is nothing to compile on its own. Compile the whole model with torch.compile(model), or keep the "
-            "blocks in an nn.ModuleList and name their class when parallelizing: "
+            f"(units: {classes}), so there is nothing to compile on its own. Compile the "
+            "whole model with torch.compile(model), or keep the blocks in an nn.ModuleList "
+            "and name their class when parallelizing: "
             "fczero.parallelize(model, mesh, units=[YourBlockClass])."
         )
     for _, module in outermost:
