@@ -338,7 +338,7 @@ def build_fczero_cuda_graphs(ctx: ArmContext) -> Arm:
     return _fczero(ctx, compiled=True, mode=CUDA_GRAPHS)
 
 
-def build_fczero_per_block(ctx: ArmContext) -> Arm:
+def build_fczero_per_block(ctx: ArmContext, **options: object) -> Arm:
     """fczero with each block compiled on its own after ``parallelize`` (torchtitan's way),
     the rest eager: one block's compile for the first step, whatever the depth; the gathers
     stay eager around each compiled body, recorded and prefetched a block ahead, in forward
@@ -347,7 +347,7 @@ def build_fczero_per_block(ctx: ArmContext) -> Arm:
 
     model = build_model(ctx)
     root = LossModule(model)
-    fczero.parallelize(root, ctx.mesh, mp_policy=_fczero_mp())
+    fczero.parallelize(root, ctx.mesh, mp_policy=_fczero_mp(), **options)
     fczero.compile_blocks(root, backend=ctx.compile_backend)
     opt = adamw(root.parameters(), ctx)
     return Arm(step=train_step(root, opt), keep=[root, opt])
@@ -413,6 +413,12 @@ def build_fczero_regather(ctx: ArmContext) -> Arm:
     """Every gathered param freed after forward and gathered again in backward, as FSDP2
     does (``keep_unsharded=0``; the default keeps one shard's worth)."""
     return _fczero(ctx, compiled=True, comm_policy=_comm(keep_unsharded=0))
+
+
+def build_fczero_per_block_regather(ctx: ArmContext) -> Arm:
+    """Each block compiled on its own, every gathered param freed after forward and gathered
+    again in backward, as FSDP2 does (``keep_unsharded=0``)."""
+    return build_fczero_per_block(ctx, comm_policy=_comm(keep_unsharded=0))
 
 
 def build_fczero_unshard_512mib(ctx: ArmContext) -> Arm:
@@ -811,6 +817,11 @@ ARMS: dict[str, ArmSpec] = {
             name="fczero-per-block",
             label="fczero, each block compiled",
             build=build_fczero_per_block,
+        ),
+        ArmSpec(
+            name="fczero-per-block-regather",
+            label="fczero, each block compiled, keep_unsharded=0",
+            build=build_fczero_per_block_regather,
         ),
         ArmSpec(
             name="fczero-compiled-reuse",
