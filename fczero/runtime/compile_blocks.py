@@ -47,23 +47,7 @@ def compile_blocks(model: nn.Module, **options) -> list[str]:
             "read gathers), so it has no blocks; parallelize with units='auto' (the "
             "default) or units=[YourBlockClass] to compile blocks on their own."
         )
-    per_class = collections.Counter(unit.cls for _, _, unit in units)
-    classes_in: dict[str, set] = collections.defaultdict(set)  # container -> its units' classes
-    for path, _, unit in units:
-        container, _, index = path.rpartition(".")
-        if index.isdigit():
-            classes_in[container].add(unit.cls)
-    blocks = [
-        (path, module)
-        for path, module, unit in units
-        if path.rpartition(".")[2].isdigit()
-        and (per_class[unit.cls] > 1 or len(classes_in[path.rpartition(".")[0]]) == 1)
-    ]
-    outermost = [
-        (path, module)
-        for path, module in blocks
-        if not any(_inside(path, other) for other, _ in blocks)
-    ]
+    outermost = _outermost_blocks(units)
     if not outermost:
         classes = ", ".join(
             sorted({unit.cls.__name__.removeprefix("FCZero") for _, _, unit in units if unit.cls})
@@ -95,6 +79,27 @@ def _units_of(model: nn.Module) -> list[tuple[str, nn.Module, Unit]]:
         if unit is not None:
             found.append((path, module, unit))
     return found
+
+
+def _outermost_blocks(units: list[tuple[str, nn.Module, Unit]]) -> list[tuple[str, nn.Module]]:
+    """(path, module) of each block among ``units`` (see the module docstring) that lies in
+    no other block. Decided from the model's structure alone, the same on every rank."""
+    per_class = collections.Counter(unit.cls for _, _, unit in units)
+    classes_in: dict[str, set] = collections.defaultdict(set)  # container -> its units' classes
+    for path, _, unit in units:
+        container, _, index = path.rpartition(".")
+        if index.isdigit():
+            classes_in[container].add(unit.cls)
+    blocks = []
+    for path, module, unit in units:
+        container, _, index = path.rpartition(".")
+        if index.isdigit() and (per_class[unit.cls] > 1 or len(classes_in[container]) == 1):
+            blocks.append((path, module))
+    return [
+        (path, module)
+        for path, module in blocks
+        if not any(_inside(path, other) for other, _ in blocks)
+    ]
 
 
 def _inside(path: str, other: str) -> bool:
