@@ -213,3 +213,10 @@ def test_compile_blocks_takes_a_lone_block_and_leaves_a_sequentials_odd_members(
     )
     fczero.parallelize(stack, init_device_mesh("cpu", (2,)))
     assert fczero.compile_blocks(stack, backend="eager") == ["1", "2"]
+    # two embeddings of one class outside any container (GPT-2's token and position
+    # tables) are units of a repeated class, but not blocks
+    two_tables = torch.nn.Module()
+    two_tables.tok, two_tables.pos = torch.nn.Embedding(64, 32), torch.nn.Embedding(16, 32)
+    two_tables.layers = Llama(FOUR_BLOCKS).layers[:2]
+    fczero.parallelize(two_tables, init_device_mesh("cpu", (2,)))
+    assert fczero.compile_blocks(two_tables, backend="eager") == ["layers.0", "layers.1"]
