@@ -1024,7 +1024,7 @@ GROUPS: dict[str, list[str]] = {
     ],
     "unshard": [
         "fczero-regather", "fczero-unshard-512mib", "fczero-keep-all",
-        "fczero-keep-all-cudagraphs", "fczero-auto-cudagraphs",
+        "fczero-keep-all-cudagraphs", "fczero-auto-cudagraphs", "fczero-per-block-regather",
     ],
     "overlap": _OVERLAP_ARMS,
     "fsdp2": ["fsdp2-eager", "fsdp2-compiled"],
