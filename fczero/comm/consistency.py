@@ -47,6 +47,11 @@ from torch.distributed.tensor import DTensor
 from fczero.comm.collectives import backend_of
 from fczero.comm.graph_ops import collective_group, op_name
 
+
+#: ``all_gather_into_tensor`` under the name torch 2.13 gives it (there the old name warns
+#: that it is deprecated, once per process), or the old name where a torch lacks the new
+#: one. Same arguments.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 logger = logging.getLogger("fczero")
 
 
@@ -178,7 +183,7 @@ def check_same_values(
             ]
         ).to(device)  # (n, 2)
     everyone = mine.new_empty((world * mine.shape[0], 2))
-    dist.all_gather_into_tensor(everyone, mine, group=group)
+    _all_gather_single(everyone, mine, group=group)
     everyone = everyone.cpu().view(world, *mine.shape)  # (world, n, 2)
     scale = everyone.abs().amax(dim=0).clamp_min(1.0)  # (n, 2)
     differs = ((everyone - everyone[0]).abs() > 1e-6 * scale).any(dim=2)  # (world, n)
