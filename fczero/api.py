@@ -27,7 +27,7 @@ from fczero.core import meta_init as meta_device_init
 from fczero.core.config import Options
 from fczero.core.policies import CheckPolicy, CommPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fczero.core.spec import ShardSpec, mesh_device, quiet_gather_checkpoint_note, shard_tensor
-from fczero.core.state import ATTR, KeptPlan, RootState, root_state
+from fczero.core.state import KeptPlan, RootState, is_parallelized, root_state
 from fczero.offload import params as param_offload
 from fczero.offload import partition as offload_partition
 from fczero.passes import registry
@@ -347,11 +347,6 @@ def _eager_runtime(
     for state in root.params:
         named[id(state.param)] = named[id(state.leaf)] = name_of.get(id(state.param), "a param")
     root.eager_log = consistency.EagerLog(group_name, options.check.timeout_s, named)
-
-
-def is_parallelized(model: nn.Module) -> bool:
-    """True if ``model`` or one of its submodules went through ``parallelize``."""
-    return any(ATTR in m.__dict__ for m in model.modules())
 
 
 def _offload_named(options: Options) -> str | None:

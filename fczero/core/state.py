@@ -101,6 +101,11 @@ def module_state(module: nn.Module, create: bool = False) -> ModuleState | None:
     return found
 
 
+def is_parallelized(model: nn.Module) -> bool:
+    """True if ``model`` or one of its submodules went through ``parallelize``."""
+    return any(ATTR in m.__dict__ for m in model.modules())
+
+
 def root_state(model: nn.Module) -> RootState | None:
     """The ``RootState`` of a parallelized root (None for any other module)."""
     found = model.__dict__.get(ATTR)

@@ -22,7 +22,7 @@ import logging
 
 import torch.nn as nn
 
-from fczero.core.state import ATTR, Unit
+from fczero.core.state import ATTR, Unit, is_parallelized
 
 logger = logging.getLogger("fczero")
 
@@ -42,7 +42,7 @@ def compile_blocks(model: nn.Module, **options) -> list[str]:
         raise ValueError(
             "fczero.compile_blocks: this model is not parallelized; call "
             "fczero.parallelize(model, mesh) first, then compile_blocks(model)."
-            if not any(ATTR in m.__dict__ for m in model.modules())
+            if not is_parallelized(model)
             else "fczero.compile_blocks: this model was parallelized with units=None (each "
             "read gathers), so it has no blocks; parallelize with units='auto' (the "
             "default) or units=[YourBlockClass] to compile blocks on their own."

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 import torch._dynamo.testing
 from torch.distributed.device_mesh import init_device_mesh
@@ -170,32 +171,26 @@ def test_compile_blocks_leaves_the_experts_inside_a_block_to_the_block(fake_pg):
     assert paths == [f"layers.{i}" for i in range(len(moe.layers))], paths
 
 
+def _refusal(model: torch.nn.Module) -> str:
+    """The message of the ValueError that ``compile_blocks(model)`` raises."""
+    with pytest.raises(ValueError) as caught:
+        fczero.compile_blocks(model)
+    return str(caught.value)
+
+
 def test_compile_blocks_says_what_to_do_with_a_model_it_cannot_serve(fake_pg):
-    plain = Llama(FOUR_BLOCKS)
-    try:
-        fczero.compile_blocks(plain)
-    except ValueError as e:
-        assert "not parallelized" in str(e) and "fczero.parallelize(model, mesh)" in str(e)
-    else:
-        raise AssertionError("a model that was never parallelized was accepted")
+    said = _refusal(Llama(FOUR_BLOCKS))  # never parallelized
+    assert "not parallelized" in said and "fczero.parallelize(model, mesh)" in said
     per_read = fczero.parallelize(Llama(FOUR_BLOCKS), init_device_mesh("cpu", (2,)), units=None)
-    try:
-        fczero.compile_blocks(per_read)
-    except ValueError as e:
-        assert "units=None" in str(e) and "units='auto'" in str(e)
-    else:
-        raise AssertionError("a model without units was accepted")
+    said = _refusal(per_read)  # no units
+    assert "units=None" in said and "units='auto'" in said
     no_blocks = fczero.parallelize(
         torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.LayerNorm(4)),
         init_device_mesh("cpu", (2,)),
     )
-    try:
-        fczero.compile_blocks(no_blocks)
-    except ValueError as e:
-        assert "Linear, LayerNorm" in str(e) or "LayerNorm, Linear" in str(e), str(e)
-        assert "torch.compile(model)" in str(e) and "units=[YourBlockClass]" in str(e)
-    else:
-        raise AssertionError("a model without blocks was accepted")
+    said = _refusal(no_blocks)
+    assert "Linear, LayerNorm" in said or "LayerNorm, Linear" in said, said
+    assert "torch.compile(model)" in said and "units=[YourBlockClass]" in said
     assert all(getattr(m.__dict__.get("_fczero"), "unit", None) is None
                or m.__dict__["_fczero"].unit.compiled is None
                for m in no_blocks.modules())  # nothing compiled  # fmt: skip
