@@ -24,13 +24,14 @@ from bench import compile_time
 from fczero.passes import timing
 
 
-@pytest.mark.slow  # eight processes, each importing torch and compiling: about a minute
+@pytest.mark.slow  # four processes, each importing torch and compiling: half a minute
 def test_smoke_run_splits_each_first_step(tmp_path: Path, capsys) -> None:
+    """fczero's two arms (the floors are plain ``torch.compile``) at two depths."""
     out = tmp_path / "ct"
-    argv = ["--layers", "1", "2", "--backend", "aot_eager_with_passes", "--out", str(out)]
-    assert compile_time.main(argv) == 0
+    arms = ["fczero-compiled", "fczero-per-block"]
+    argv = ["--layers", "1", "2", "--arms", ",".join(arms), "--backend", "aot_eager_with_passes"]
+    assert compile_time.main([*argv, "--out", str(out)]) == 0
     records = [json.loads(line) for line in (out / compile_time.RESULTS).read_text().splitlines()]
-    arms = list(compile_time.DEFAULT_ARMS)
     assert [(r["layers"], r["arm"]) for r in records] == [(n, a) for n in (1, 2) for a in arms]
     for n in (1, 2):  # each process leaves its log, which says how far it got
         for a in arms:
@@ -50,7 +51,7 @@ def test_smoke_run_splits_each_first_step(tmp_path: Path, capsys) -> None:
         if r["arm"] == "fczero-compiled":
             assert parts["passes"] > 0 and r["pass_graphs"] == 2, r  # forward and backward
     one, two = (
-        next(r for r in records if r["layers"] == n and r["arm"] == "floor") for n in (1, 2)
+        next(r for r in records if r["layers"] == n and r["arm"] == "fczero-compiled") for n in (1, 2)
     )
     assert two["params"] > one["params"]
     table = (out / compile_time.TABLE).read_text()
