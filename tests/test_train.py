@@ -119,15 +119,10 @@ def _launch(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     )
 
 
-def _losses(summary: dict) -> dict[int, float]:
-    return {step: loss for step, loss in summary["losses"]}
-
-
 def test_killed_run_resumes_to_the_uninterrupted_losses(tmp_path):
-    """SIGKILL of one rank after step 10; the restart from the step-8 checkpoint reaches the
-    uninterrupted run's losses at every step after it. Then 4 ranks resume its checkpoint."""
+    """SIGKILL of one rank after step 10; the restart from the step-8 checkpoint follows one
+    process's uninterrupted run at every step after it. Then 4 ranks resume its checkpoint."""
     common = ("--steps", "12", "--log-every", "1")
-    _, whole = _run_main_job(*TINY, *common, tmp_path=tmp_path)
 
     ckpt = str(tmp_path / "ckpt")
     killed = _launch(*common, "--save", ckpt, "--save-every", "4", "--crash-at-step", "10")
@@ -141,9 +136,9 @@ def test_killed_run_resumes_to_the_uninterrupted_losses(tmp_path):
     )
     assert f"resumed from {ckpt} at step 8 (saved by 2 ranks)" in proc.stdout
     assert [step for step, _ in resumed["losses"]] == [9, 10, 11, 12]
-    expected = _losses(whole)
+    expected = dict(enumerate(_reference_losses(12), start=1))
     for step, loss in resumed["losses"]:
-        assert loss == pytest.approx(expected[step], rel=1e-6, abs=1e-7), step
+        assert loss == pytest.approx(expected[step], rel=1e-5, abs=1e-6), step
     assert "saved checkpoint of step 12" in proc.stdout
 
     # the main job resumes the 2 ranks' checkpoint on 4 ranks (and says what changed)

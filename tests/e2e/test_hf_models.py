@@ -76,6 +76,20 @@ class T5(nn.Module):
         return self.t5(input_ids=tokens, decoder_input_ids=tokens, use_cache=False).logits
 
 
+def _traceable_experts() -> dict:
+    """Experts (Mixtral's, Qwen2-MoE's) as a compiled graph can trace them. Under ``torch.compile`` in fp32,
+    transformers runs its grouped matmul through a fallback op, whose backward in 5.17 loops
+    in Python over ``offs.tolist()``: AOT autograd cannot trace it, and with fczero's gather
+    in the graph Dynamo raises instead of falling back to eager (troubleshooting.md, "A model
+    that compiles alone fails to compile under fczero"). Later versions (5.24) make that
+    backward an op of its own; with 5.17 the experts take transformers' eager loop."""
+    import transformers.integrations.moe  # noqa: F401  (defines the transformers ops)
+
+    if hasattr(torch.ops.transformers, "grouped_mm_fallback_backward"):
+        return {}
+    return {"experts_implementation": "eager"}
+
+
 class Mixtral(nn.Module):
     """``MixtralForCausalLM`` returning logits: 8 experts, one per token."""
 
@@ -84,7 +98,7 @@ class Mixtral(nn.Module):
         config = transformers.MixtralConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
-            num_experts_per_tok=1, max_position_embeddings=64,
+            num_experts_per_tok=1, max_position_embeddings=64, **_traceable_experts(),
         )  # fmt: skip
         self.lm = transformers.MixtralForCausalLM(config)
 
@@ -177,7 +191,7 @@ def Qwen2Moe() -> nn.Module:
         vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=1,
         moe_intermediate_size=16, shared_expert_intermediate_size=16,
-        max_position_embeddings=64, tie_word_embeddings=True,
+        max_position_embeddings=64, tie_word_embeddings=True, **_traceable_experts(),
     ))  # fmt: skip
 
 
@@ -258,10 +272,23 @@ def traces():
     return run_on_ranks(_train, 2)[0]
 
 
+def _opt_traces_its_layers() -> bool:
+    """Whether this transformers' OPT decoder draws for layerdrop only when layerdrop is on:
+    5.17 draws ``torch.rand([])`` and branches on it at every layer in training, even at
+    ``layerdrop=0.0``, and so breaks the compiled graph there (5.24 checks first)."""
+    import inspect
+
+    from transformers.models.opt.modeling_opt import OPTDecoder
+
+    return "self.layerdrop > 0" in inspect.getsource(OPTDecoder.forward)
+
+
 @pytest.mark.parametrize("name", list(ALL_MODELS))
 def test_compiled_whole_their_embeddings_go_by_touched_rows(traces, name):
     """The lookups and grads of each model's token embedding are rewritten (so the parity
     test below checks the rewrite on each of them): two all-gathers each at least."""
+    if name == "opt" and not _opt_traces_its_layers():
+        pytest.skip("this transformers' OPT breaks the graph at each layer (its layerdrop draw)")
     assert traces[name, "rows"] >= 4
 
 
