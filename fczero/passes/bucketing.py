@@ -66,6 +66,7 @@ from fczero.passes.graph_utils import (
     position,
     recompile,
     stable_topological_sort,
+    static_sizes,
 )
 from fczero.passes.matching import Collective, find_gathers, find_reduces
 
@@ -148,6 +149,8 @@ def bucket_collectives(
     what: str,
     itemsize: int | None = None,
 ) -> fx.GraphModule:
+    # ([Note: the passes leave symbolic sizes alone] in fczero.passes.graph_utils)
+    collectives = [c for c in collectives if static_sizes(c.input, c.node, c.wait)]
     buckets = [
         b for b in plan_collective_buckets(collectives, bucket_bytes, itemsize) if len(b) > 1
     ]

@@ -38,6 +38,29 @@ def one_reader(node: object) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and len(node.users) == 1
 
 
+def static_sizes(*nodes: object) -> bool:
+    """Every node's value is a tensor of plain-int sizes (none symbolic).
+
+    [Note: the passes leave symbolic sizes alone]
+    A graph compiled with dynamic shapes (Dynamo marks a size dynamic once a frame ran with
+    two sizes: a second sequence length; a shared frame such as a unit's gather, called for
+    params of several shapes) holds sizes as symbols (``s27``) that only nodes of the graph
+    bind. A pass that read such a size off ``meta["val"]`` and wrote it into a new node's
+    arguments (a reshape to ``[n]``, a bucket's ``empty``) left an expression in the code
+    whose symbol no line defines: the graph raised ``NameError: name 's27' is not defined``
+    at its first call (Hugging Face's BART after a second sequence length, an ``nn.LSTM``
+    block). A rewrite whose sizes are symbolic is left out instead: the graph keeps the
+    collectives as traced. Whether sizes are symbolic follows from the graph, the same on
+    every rank that compiled the same graph."""
+    for node in nodes:
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        if not isinstance(val, torch.Tensor):
+            return False
+        if not all(type(size) is int for size in val.shape):
+            return False
+    return True
+
+
 def fake_mode_of(graph: fx.Graph):
     vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
     return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])

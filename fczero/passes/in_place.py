@@ -79,6 +79,7 @@ from fczero.passes.graph_utils import (
     is_cast,
     one_reader,
     recompile,
+    static_sizes,
 )
 from fczero.passes.matching import find_gathers, find_reduces
 
@@ -93,7 +94,11 @@ def available() -> bool:
 def gathers_in_place_pass(gm: fx.GraphModule, groups: set[str], rank: int) -> fx.GraphModule:
     """Rewrite every matched all-gather on ``groups`` to write in place; ``rank`` is this
     process's rank in those groups (the slot its shard fills)."""
-    gathers = [g for g in find_gathers(gm.graph, groups) if not g.in_place]
+    gathers = [
+        g
+        for g in find_gathers(gm.graph, groups)
+        if not g.in_place and static_sizes(g.input, g.node)  # ([Note: the passes leave
+    ]  # symbolic sizes alone] in fczero.passes.graph_utils)
     if not gathers or not available():
         return gm
     graph = gm.graph

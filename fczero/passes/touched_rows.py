@@ -67,7 +67,14 @@ import torch.fx as fx
 
 from fczero.comm.graph_ops import op_name
 from fczero.core.memory import nbytes
-from fczero.passes.graph_utils import fake_mode_of, insert, is_cast, one_reader, recompile
+from fczero.passes.graph_utils import (
+    fake_mode_of,
+    insert,
+    is_cast,
+    one_reader,
+    recompile,
+    static_sizes,
+)
 from fczero.passes.matching import NOT_A_PARAM_COLLECTIVE, Collective, find_gathers, find_reduces
 
 logger = logging.getLogger("fczero")
@@ -146,11 +153,16 @@ def _lookups(g: Collective) -> list[fx.Node]:
     source, table = g.input.meta["val"], g.wait.meta["val"]
     if g.in_place or source.dim() != 2 or table.dim() != 2 or g.group_size < 2:
         return []
+    if not static_sizes(g.input, g.wait):  # ([Note: the passes leave symbolic sizes alone])
+        return []
     if source.shape[0] * g.group_size != table.shape[0]:
         return []
     tables = [g.wait, *(s for s in _unpad_slices(g) if (s.args[4] if len(s.args) > 4 else 1) == 1)]
     return [
-        u for t in tables for u in t.users if op_name(u) == "embedding" and u.args[0] is t
+        u
+        for t in tables
+        for u in t.users
+        if op_name(u) == "embedding" and u.args[0] is t and static_sizes(u.args[1], u)
     ]
 
 
@@ -247,6 +259,8 @@ def _scatter_of(node: fx.Node, r: Collective, divisor, chain: list[fx.Node]) -> 
     fresh = one_reader(zeros) and _zeros(zeros)
     if not (fresh and len(indices) == 1 and isinstance(indices[0], fx.Node)):
         return None
+    if not static_sizes(node, indices[0], rows, r.node, *([keep] if keep is not None else [])):
+        return None  # ([Note: the passes leave symbolic sizes alone])
     table, ids = node.meta["val"], indices[0].meta["val"]
     if table.dim() != 2 or tuple(rows.meta["val"].shape) != (*ids.shape, table.shape[1]):
         return None

@@ -160,16 +160,33 @@ def _refuse_plain_state(
     for name, param in module.named_parameters():
         value = state_dict.get(prefix + name)
         if isinstance(param, DTensor) and isinstance(value, torch.Tensor):
-            if not isinstance(value, DTensor):
+            if not isinstance(value, DTensor) and _whole_replica(param, value):
+                # torch's set_model_state_dict(full_state_dict=True) hands a 0-d value over
+                # as a plain tensor: the whole value, which every rank holds as a replica
+                local = value.to(device=param.to_local().device, dtype=param.dtype)
+                state_dict[prefix + name] = DTensor.from_local(
+                    local, param.device_mesh, param.placements, run_check=False
+                )
+            elif not isinstance(value, DTensor):
+                placements = ", ".join(map(repr, param.placements))
                 raise ValueError(
                     f"fczero: load_state_dict got a plain tensor for {prefix + name!r}, a "
-                    f"sharded param ({list(value.shape)} here; fczero holds it as a Shard(0) "
-                    "DTensor). Load a full state dict before parallelize, or load it into "
+                    f"sharded param ({list(value.shape)} here; fczero holds it as a DTensor "
+                    f"({placements})). Load a full state dict before parallelize, or load it into "
                     "the parallelized model with torch.distributed.checkpoint.state_dict."
                     "set_model_state_dict(model, state, options=StateDictOptions("
                     "full_state_dict=True)). A sharded state dict (model.state_dict() after "
                     "parallelize) loads as is."
                 )
+
+
+def _whole_replica(param: DTensor, value: torch.Tensor) -> bool:
+    """``value`` is the whole of a param that every rank holds whole (a 0-d param)."""
+    return (
+        value.dim() == 0
+        and param.dim() == 0
+        and all(p.is_replicate() for p in param.placements)
+    )
 
 
 class _Guarded:

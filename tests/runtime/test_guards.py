@@ -117,6 +117,37 @@ def test_loading_a_full_state_dict_after_parallelize(fake_pg):
     assert not model.load_state_dict(sharded).missing_keys  # a sharded one loads as is
 
 
+class _Tempered(nn.Module):
+    """A Linear and a 0-d learnable temperature (fczero keeps the 0-d param replicated)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.temp = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) / self.temp
+
+
+def test_a_full_state_dict_with_a_0d_param_loads_through_set_model_state_dict(gloo_one_rank):
+    """torch's ``set_model_state_dict(full_state_dict=True)`` hands a 0-d value to
+    ``load_state_dict`` as a plain tensor: the whole value of a replicated param, so it
+    loads; a plain tensor for a sharded param is still refused, naming its placement."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    torch.manual_seed(0)
+    full = _Tempered().state_dict()
+    full["temp"] = torch.tensor(1.5)
+    torch.manual_seed(1)
+    model = fczero.parallelize(_Tempered(), init_device_mesh("cpu", (1,)))
+    set_model_state_dict(model, dict(full), options=StateDictOptions(full_state_dict=True))
+    loaded = fczero.checkpoint.full_state_dict(model, rank0_only=False)
+    assert loaded["temp"].item() == 1.5
+    assert torch.equal(loaded["fc.weight"], full["fc.weight"])
+    with pytest.raises(ValueError, match=r"plain tensor for 'fc.weight'.*Shard\(dim=0\)"):
+        model.load_state_dict(full)
+
+
 def test_loading_with_assign_after_parallelize_is_refused(fake_pg):
     """assign=True would swap the sharded params for tensors fczero does not track."""
     model = fczero.parallelize(TwoLayer(), _mesh())
