@@ -50,8 +50,12 @@ def static_sizes(*nodes: object) -> bool:
     whose symbol no line defines: the graph raised ``NameError: name 's27' is not defined``
     at its first call (Hugging Face's BART after a second sequence length, an ``nn.LSTM``
     block). A rewrite whose sizes are symbolic is left out instead: the graph keeps the
-    collectives as traced. Whether sizes are symbolic follows from the graph, the same on
-    every rank that compiled the same graph."""
+    collectives as traced. Whether sizes are symbolic follows from the shapes a frame has
+    seen, the same on every rank when the ranks' shards have the same shapes. With uneven
+    shards (a dim 0 that does not divide by the ranks) a frame that gathers several params
+    could see two shard sizes on the short rank only, and the ranks could then rewrite
+    differently; such params are best given dim-0 sizes that divide by the ranks
+    (docs/troubleshooting.md, "Uneven shards compile rank-specific graphs")."""
     for node in nodes:
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
         if not isinstance(val, torch.Tensor):
