@@ -145,16 +145,33 @@ def rank_major(
     """The reduce-scatter input: each grad cut into ``world`` chunks of its rows per rank,
     cast to ``out``'s dtype and laid out rank-major in ``out`` (``[world, sum of numels]``).
 
-    When no grad needs padding rows, each is viewed as ``[world, numel]`` and one ``cat``
-    along dim 1 lays them out. ``_chunk_cat`` pads as well, but its host time is the larger:
-    on one H100 (torch 2.11) laying out one block's six bf16 grads of the 953M benchmark
-    model as fp32 took 218-223 us of host time per call with ``_chunk_cat`` against 59-63 us
-    with ``cat``, and in the eager regime-M profile ``_chunk_cat`` was fczero's costliest
-    op on the host (546 us per call). It is kept for buckets that need padding."""
-    if all(g.shape[0] == world * layout.rows_per_rank for g, layout in zip(grads, layouts)):
+    [Note: laying grads out rank-major]
+    When no grad needs padding rows, each is viewed as ``[world, numel]``. Of the same
+    dtype as ``out``, one ``cat`` along dim 1 lays them out in one kernel. Cast on the way
+    (bf16 grads, fp32 reduce: the default), ``cat`` copies each grad on its own into a
+    strided ``[world, numel]`` slice, which CUDA's copy does not vectorize; one
+    ``_foreach_copy_`` of each rank's contiguous chunk into its contiguous place casts
+    them all in one kernel launch. On one H200 (torch 2.11) laying out a decoder block of
+    Llama-3.2-3B's shape (nine grads, 2 ranks) took 201 us of GPU time this way against
+    363 us with ``cat``, for 223 against 137 us of host time: 28 blocks save 4.5 ms of a
+    GPU-bound step.
+
+    ``_chunk_cat`` pads as well, but its host time is the larger: on one H100 (torch 2.11)
+    laying out one block's six bf16 grads of the 953M benchmark model as fp32 took 218-223
+    us of host time per call with ``_chunk_cat`` against 59-63 us with ``cat``, and in the
+    eager regime-M profile ``_chunk_cat`` was fczero's costliest op on the host (546 us per
+    call). It is kept for buckets that need padding."""
+    if not all(g.shape[0] == world * layout.rows_per_rank for g, layout in zip(grads, layouts)):
+        torch._chunk_cat([g.contiguous() for g in grads], dim=0, num_chunks=world, out=out)
+    elif all(g.dtype == out.dtype for g in grads):
         torch.cat([g.reshape(world, -1) for g in grads], dim=1, out=out)
     else:
-        torch._chunk_cat([g.contiguous() for g in grads], dim=0, num_chunks=world, out=out)
+        places = [row.split([layout.numel for layout in layouts]) for row in out.unbind(0)]
+        chunks = [g.reshape(world, -1).unbind(0) for g in grads]
+        torch._foreach_copy_(
+            [place for row in places for place in row],
+            [chunks[k][r] for r in range(world) for k in range(len(grads))],
+        )
 
 
 def _copy_out(
@@ -211,7 +228,8 @@ class _BucketGather(torch.autograd.Function):
                 reduced = collectives.reduce_scatter_mean_in_flight(
                     flat.view(-1), world, spec0.reduce_group_name
                 )
-                collectives.hold_in_flight(reduced)  # ([Note: a reduce-scatter left in flight])
+                # ([Note: a reduce-scatter left in flight])
+                collectives.hold_in_flight(reduced, spec0.unit_path)
             else:  # (HSDP's all-reduce, and a double backward's grads, need it now)
                 collectives.average_(flat, world, replicate)
                 reduced = collectives.reduce_scatter_sum(flat.view(-1), world, spec0.reduce_group_name)

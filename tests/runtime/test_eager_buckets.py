@@ -332,10 +332,12 @@ def test_a_bucket_is_one_autograd_node_over_its_members(fake_pg):
 def test_rank_major_lays_out_grads_as_chunk_cat_would(world):
     """The reduce-scatter input: rank r's row holds the r-th chunk of rows of every grad,
     cast, in member order; rows that do not split evenly are zero-padded (``_chunk_cat``),
-    rows that do take one ``cat``. Checked against a layout built chunk by chunk."""
+    rows that do take one ``cat`` (same dtype) or one ``_foreach_copy_`` (cast). Checked
+    against a layout built chunk by chunk."""
     g = torch.Generator().manual_seed(0)
-    for rows in ([6, 3, 12], [5, 3, 12]):  # the second needs padding at worlds 2 and 3
-        grads = tuple(torch.randn(r, 4, generator=g).bfloat16() for r in rows)
+    cases = [([6, 3, 12], torch.bfloat16), ([6, 3, 12], torch.float32), ([5, 3, 12], torch.bfloat16)]
+    for rows, dtype in cases:  # the last needs padding at worlds 2 and 3
+        grads = tuple(torch.randn(r, 4, generator=g).to(dtype) for r in rows)
         layouts = tuple(
             FlatLayout(-(-r // world), -(-r // world), r, (4,), torch.float32) for r in rows
         )
@@ -507,11 +509,12 @@ def test_the_next_unit_goes_out_whole(fake_pg):
     assert gathers_before_block == [4, 6, 8, 8]
 
 
-def test_a_bucket_reduce_stays_in_flight_until_the_next(fake_pg):
-    """Backward waits for a bucket's reduce-scatter only after it issues the next one
-    (the block before computes its grads in between), and for the last when it ends: one
-    reduce in flight at a time, none left after backward ([Note: a reduce-scatter left in
-    flight])."""
+def test_a_units_reduces_stay_in_flight_until_the_next_units(fake_pg):
+    """Backward waits for a block's reduce-scatters only after the block before it has
+    computed its grads and issued its own, and for the last block's when it ends: one
+    unit's reduces in flight at a time, none left after backward ([Note: a reduce-scatter
+    left in flight]). A block's two buckets reduce back to back, so waiting for the first
+    when the second issues would stall the compute stream for it."""
     from fczero.testing.distributed import pending_collectives
 
     model = _bucketed_two_linear_blocks()
@@ -523,10 +526,11 @@ def test_a_bucket_reduce_stays_in_flight_until_the_next(fake_pg):
     assert len(reduces) == 8  # two buckets a block; a block's two reduce when its grads are in
     for k, (i, key) in enumerate(reduces):
         waited = next(j for j in range(i + 1, len(ops.events)) if ops.events[j] == ("wait_tensor", key))
-        if k + 1 < len(reduces):
-            assert waited > reduces[k + 1][0], k  # waited after the next reduce is issued
-        if k % 2 == 1 and k + 1 < len(reduces):  # a block's last: the block before computes
+        block, other = k // 2, reduces[k + 1 - 2 * (k % 2)][0]  # the other bucket's reduce
+        assert waited > other, k  # never between the two reduces of one block
+        if block + 1 < len(reduces) // 2:  # the block before computes, then reduces
             assert "mm" in [name for name, _ in ops.events[i:waited]], k
+            assert waited > reduces[2 * block + 2][0], k
 
 
 def test_an_accumulated_grad_waits_for_its_reduce_first(fake_pg):
@@ -554,8 +558,8 @@ def test_an_accumulated_grad_waits_for_its_reduce_first(fake_pg):
 
 
 def test_a_backward_after_one_that_raised_waits_for_its_last_reduce(fake_pg):
-    """A backward that raises runs no end-of-backward callback and leaves its last reduce
-    in flight; the next backward waits for that one and for all of its own."""
+    """A backward that raises runs no end-of-backward callback and leaves its last block's
+    reduces in flight; the next backward waits for those and for all of its own."""
     from fczero.testing.distributed import pending_collectives
 
     model = _bucketed_two_linear_blocks()
@@ -567,7 +571,7 @@ def test_a_backward_after_one_that_raised_waits_for_its_last_reduce(fake_pg):
     x.register_hook(fail)
     with pytest.raises(RuntimeError, match="stop here"):
         model(x).sum().backward()
-    assert pending_collectives() == 1  # the raising backward's last reduce
+    assert pending_collectives() == 2  # the raising backward's last block's two reduces
     model.zero_grad(set_to_none=True)  # (an add to a held grad would wait for it anyway)
     model(torch.randn(4, 16)).sum().backward()
     assert pending_collectives() == 0
