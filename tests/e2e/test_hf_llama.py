@@ -154,13 +154,6 @@ def test_meta_case_is_not_the_constructor_init(gloo_traces):
     assert gloo_traces["aot_eager-meta_init"].losses[0] != gloo_traces["eager"].losses[0]
 
 
-@pytest.mark.slow
-def test_hf_llama_inductor():
-    case = [("inductor", HFCausalLM, "inductor", {})]
-    trace = run_on_ranks(_run_cases, 2, case, token_batches(steps=3), "cpu")[0][0]
-    parity.assert_close(trace, _expected("inductor"), rtol=1e-4, atol=1e-5)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_hf_llama_nccl_inductor():
