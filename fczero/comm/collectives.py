@@ -202,8 +202,9 @@ class _ReduceInFlight:
     its grads are all in (its first params, the attention's inputs, get theirs last).
     Waiting for the first when the second issued stalled the compute stream for the
     first's whole run: 0.3 ms of each block's backward, 12.2 ms of exposed reduce-scatter
-    a step in that regime (2 x H200, torch 2.11). A bucket in no unit waits for all before
-    it. Every rank waits for the same collectives in the same order; a wait orders
+    a step in that regime (2 x H200, torch 2.11). Compiled graphs wait by the same rule
+    (``fczero.passes.schedule``: a reduce is waited before the next block's reduces start).
+    A bucket in no unit waits for all before it. Every rank waits for the same collectives in the same order; a wait orders
     streams, it does not block the host.
 
     Nothing reads the grads before their wait: autograd hands each to its leaf without a
