@@ -153,8 +153,9 @@ def rank_major(
     ``_foreach_copy_`` of each rank's contiguous chunk into its contiguous place casts
     them all in one kernel launch. On one H200 (torch 2.11) laying out a decoder block of
     Llama-3.2-3B's shape (nine grads, 2 ranks) took 201 us of GPU time this way against
-    363 us with ``cat``, for 223 against 137 us of host time: 28 blocks save 4.5 ms of a
-    GPU-bound step.
+    363 us with ``cat``, for 223 against 137 us of host time: 4.5 ms less GPU time over
+    28 blocks (from that micro-benchmark; the two layouts were not timed side by side in a
+    whole step).
 
     ``_chunk_cat`` pads as well, but its host time is the larger: on one H100 (torch 2.11)
     laying out one block's six bf16 grads of the 953M benchmark model as fp32 took 218-223
