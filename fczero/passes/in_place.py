@@ -94,11 +94,9 @@ def available() -> bool:
 def gathers_in_place_pass(gm: fx.GraphModule, groups: set[str], rank: int) -> fx.GraphModule:
     """Rewrite every matched all-gather on ``groups`` to write in place; ``rank`` is this
     process's rank in those groups (the slot its shard fills)."""
-    gathers = [
-        g
-        for g in find_gathers(gm.graph, groups)
-        if not g.in_place and static_sizes(g.input, g.node)  # ([Note: the passes leave
-    ]  # symbolic sizes alone] in fczero.passes.graph_utils)
+    # ([Note: the passes leave symbolic sizes alone] in fczero.passes.graph_utils)
+    found = find_gathers(gm.graph, groups)
+    gathers = [g for g in found if not g.in_place and static_sizes(g.input, g.node)]
     if not gathers or not available():
         return gm
     graph = gm.graph

@@ -167,7 +167,8 @@ def rank_major(
     elif all(g.dtype == out.dtype for g in grads):
         torch.cat([g.reshape(world, -1) for g in grads], dim=1, out=out)
     else:
-        places = [row.split([layout.numel for layout in layouts]) for row in out.unbind(0)]
+        numels = [layout.numel for layout in layouts]
+        places = [row.split(numels) for row in out.unbind(0)]
         chunks = [g.reshape(world, -1).unbind(0) for g in grads]
         torch._foreach_copy_(
             [place for row in places for place in row],
