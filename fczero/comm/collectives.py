@@ -166,22 +166,61 @@ def reduce_scatter_sum(full: torch.Tensor, group_size: int, group_name: str) -> 
     return _c10d.wait_tensor(out)
 
 
-def reduce_scatter_mean_in_flight(full: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    """The mean of ``full`` over ranks, this rank's dim-0 slice, issued and left in flight:
-    the caller waits for it (``wait_on``) before anything reads it. Eager only.
+def all_gather_coalesced(
+    inputs: list[torch.Tensor], group_size: int, group_name: str
+) -> list[torch.Tensor]:
+    """Each input concatenated over ranks along dim 0, all in one collective
+    (``all_gather_into_tensor_coalesced``): plain tensors, left in flight for the caller
+    to wait (``wait_on``, each), waited here on gloo ([Note: one gloo collective in
+    flight]). Eager only."""
+    with torch.no_grad():
+        outs = _c10d.all_gather_into_tensor_coalesced(inputs, group_size, group_name)
+    if one_at_a_time(group_name):
+        for out in outs:
+            wait_on(out)
+    return outs
 
-    On NCCL the collective itself averages (``ReduceOp.AVG``), so no division kernel runs
-    on the compute stream: in regime R's per-block profile (2 x H200, Hugging Face's Llama
-    at 3B) dividing every bucket's fp32 grads before their reduce-scatter took 6.1 ms a
-    step. Other backends (gloo has no average) divide ``full`` in place, then sum. On gloo
-    the result is waited at once ([Note: one gloo collective in flight])."""
-    full = full.contiguous()
-    backend = backend_of(group_name)
-    if backend == "nccl":
-        return _c10d.reduce_scatter_tensor(full, "avg", group_size, group_name)
-    averaged = average_(full, group_size, None)
-    out = _c10d.reduce_scatter_tensor(averaged, "sum", group_size, group_name)
-    return _c10d.wait_tensor(out) if backend == "gloo" else out
+
+def reduce_reads_only(group_name: str, replicate: tuple[int, str] | None, in_flight: bool) -> bool:
+    """Whether ``reduce_scatter_mean_coalesced`` only reads its inputs: left in flight, no
+    replicas, and on NCCL, whose collective averages (``ReduceOp.AVG``). Then a grad may be
+    its own input; otherwise the inputs are divided in place first."""
+    return in_flight and replicate is None and backend_of(group_name) == "nccl"
+
+
+def reduce_scatter_mean_coalesced(
+    inputs: list[torch.Tensor],
+    group_size: int,
+    group_name: str,
+    replicate: tuple[int, str] | None = None,
+    *,
+    in_flight: bool = True,
+) -> list[torch.Tensor]:
+    """Each input's mean over ranks (HSDP: over the replicas too), this rank's dim-0
+    slice of each, in one collective (``reduce_scatter_tensor_coalesced``). Eager only.
+
+    With ``in_flight`` and no replicas the results are left in flight for the caller to
+    wait (``wait_on``, each; on gloo they are waited here). On NCCL the collective
+    averages, so no division kernel runs on the compute stream: in regime R's per-block
+    profile (2 x H200, Hugging Face's Llama at 3B) dividing every bucket's fp32 grads
+    before their reduce-scatter took 6.1 ms a step. Elsewhere (gloo has no average), and
+    with replicas, the inputs, which the caller then owns (``reduce_reads_only``), are
+    divided in place and summed; with replicas the sums are waited and summed over the
+    replicas by one coalesced all-reduce, as is anything not ``in_flight``."""
+    if reduce_reads_only(group_name, replicate, in_flight):
+        return _c10d.reduce_scatter_tensor_coalesced(inputs, "avg", group_size, group_name)
+    ranks = _ranks_averaged(group_size, replicate)
+    if ranks != 1:
+        torch._foreach_div_(inputs, ranks)
+    outs = _c10d.reduce_scatter_tensor_coalesced(inputs, "sum", group_size, group_name)
+    if not in_flight or replicate is not None or one_at_a_time(group_name):
+        for out in outs:
+            wait_on(out)
+    if replicate is not None:
+        outs = _c10d.all_reduce_coalesced(outs, "sum", replicate[1])
+        for out in outs:
+            wait_on(out)
+    return outs
 
 
 class _ReduceInFlight:
@@ -225,7 +264,7 @@ class _ReduceInFlight:
         self.unit: str | None = None  # the unit whose reduces ``held`` are
         self.task: int | None = None  # the backward (graph task) whose end settles ``held``
 
-    def hold(self, reduced: torch.Tensor, unit: str | None) -> None:
+    def hold(self, reduced: list[torch.Tensor], unit: str | None) -> None:
         if unit is None or unit != self.unit:
             self._wait_held()
         task = torch._C._current_graph_task_id()
@@ -234,7 +273,7 @@ class _ReduceInFlight:
             # callback and left its last reduces here; the next one must still queue its own)
             torch.autograd.Variable._execution_engine.queue_callback(self.settle)
             self.task = task
-        self.held.append(reduced)
+        self.held.extend(reduced)
         self.unit = unit
 
     def _wait_held(self) -> None:
@@ -252,8 +291,8 @@ class _ReduceInFlight:
 _IN_FLIGHT = _ReduceInFlight()
 
 
-def hold_in_flight(reduced: torch.Tensor, unit: str | None) -> None:
-    """Leave ``reduced`` (an eager reduce-scatter's output, issued in a backward for a
+def hold_in_flight(reduced: list[torch.Tensor], unit: str | None) -> None:
+    """Leave ``reduced`` (an eager reduce-scatter's outputs, issued in a backward for a
     bucket of ``unit``, None for a bucket in no unit) in flight until a bucket of another
     unit issues its reduce or the backward ends (see the note)."""
     _IN_FLIGHT.hold(reduced, unit)

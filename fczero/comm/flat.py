@@ -1,13 +1,26 @@
-"""Several shards gathered as one: where each lies in the flat buffer, the copy in and the
-copy out. An eager bucket (``fczero.runtime.eager_buckets``) and the refresh of stage 1/2's
-whole copies (``fczero.runtime.param_states``) gather this way. A compiled bucket of reduces
-(``fczero.passes.bucketing``) lays its grads out with ``fczero::chunk_cat``.
+"""Several shards gathered together: where each lies, and the copies in and out.
+
+An eager bucket (``fczero.runtime.eager_buckets``) gathers and reduces its members with one
+coalesced collective each way, each member in a tensor of its own:
+
+    gather_inputs:  each shard cast and padded to its rows per rank (itself where it
+                    needs neither; the others one _foreach_copy_ into one buffer)
+    gather:         one all_gather_into_tensor_coalesced -> each member's
+                    [world * rows per rank, ...], its padding rows a narrow away
+    reduce_inputs:  each grad cast and padded to world * rows per rank (the same rule)
+    reduce:         one reduce_scatter_tensor_coalesced -> each member's rows per rank
+
+The refresh of stage 1/2's whole copies (``fczero.runtime.param_states``) gathers one flat
+buffer instead, and copies each param out of it:
 
     copy_in:  each shard, cast and padded to its rows per rank, laid end to end (one op)
     gather:   one all_gather_into_tensor -> [world, sum of padded numels]; shard k of
               rank r lies at [r, offset_k : offset_k + numel_k]
     copy_out: each param's rows of every rank into storage of its own (one
               split_with_sizes_copy), its padding rows dropped
+
+A compiled bucket of reduces (``fczero.passes.bucketing``) lays its grads out with
+``fczero::chunk_cat``.
 """
 
 from __future__ import annotations
@@ -51,6 +64,58 @@ def copy_in(dtype: torch.dtype, layouts: tuple[FlatLayout, ...], shards: list[to
     if targets:  # (none where this rank holds no rows of any member: uneven shards)
         torch._foreach_copy_(targets, sources)
     return flat
+
+
+@torch.no_grad()
+def padded(
+    sources: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    rows: list[int],
+    layouts: tuple[FlatLayout, ...],
+    dtype: torch.dtype,
+    *,
+    reuse: bool,
+) -> list[torch.Tensor]:
+    """Each source as a contiguous ``[rows[k], *row_shape]`` tensor in ``dtype``, its rows
+    past the source's zero: the inputs of a coalesced collective.
+
+    [Note: one copy for a bucket's collective inputs]
+    A source that needs no cast and no padding rows is its own input when ``reuse`` is
+    set: the collective only reads it (an all-gather reads a shard, an averaging
+    reduce-scatter a grad). Every other source is copied into its place in one buffer
+    for all of them, by one ``_foreach_copy_``, which casts on the way: one kernel
+    launch for the bucket where ``torch.cat`` launches one copy per member once it
+    casts. A source that a collective may change in place (the division before a summing
+    reduce-scatter) is never reused."""
+    own = [
+        reuse
+        and src.dtype == dtype
+        and src.shape[0] == n
+        and src.is_contiguous()
+        for src, n in zip(sources, rows)
+    ]
+    if all(own):
+        return list(sources)
+    flat = sources[0].new_empty(
+        sum(n * math.prod(layout.row_shape) for n, layout, o in zip(rows, layouts, own) if not o),
+        dtype=dtype,
+    )
+    inputs, targets, copied, offset = [], [], [], 0
+    for src, n, layout, o in zip(sources, rows, layouts, own):
+        if o:
+            inputs.append(src)
+            continue
+        numel = n * math.prod(layout.row_shape)
+        place = flat[offset : offset + numel].view(n, *layout.row_shape)
+        offset += numel
+        inputs.append(place)
+        if src.shape[0] < n:
+            place[src.shape[0] :].zero_()
+        if src.shape[0]:
+            targets.append(place[: src.shape[0]])
+            copied.append(src)
+    if targets:
+        torch._foreach_copy_(targets, copied)
+    return inputs
 
 
 def copy_out(gathered: torch.Tensor, world: int, layouts: tuple[FlatLayout, ...]) -> list[torch.Tensor]:

@@ -12,18 +12,32 @@ selective-checkpointing region stay on their own.
 When the prefetcher reaches a bucket it issues it whole (``gather_bucket``), and the
 bucket works per bucket, never per member, wherever it can:
 
-    issue:     each shard, cast and padded, copied into one flat input (one op)
-               -> one all_gather_into_tensor, left in flight
-    hand-off:  the first member asked for waits for the collective and copies every
-               member out of the gathered buffer into storage of its own (one
-               split_with_sizes_copy), under one autograd node for the bucket whose
-               inputs are the members' leaves (or sharded params; no node per member)
-    backward:  the members' grads laid out rank-major in the reduce dtype (one cat,
-               or one _chunk_cat where rows need padding) -> one reduce_scatter_tensor
-               that averages (NCCL; elsewhere divided in place first, then summed; HSDP:
-               then one all-reduce) -> each shard's rows, the reduce left in flight
-               ([Note: a reduce-scatter left in flight] in
-               fczero.comm.collectives)
+    issue:     each shard, cast and padded, as its own input (one _foreach_copy_ for
+               the bucket, none where the shards need neither)
+               -> one all_gather_into_tensor_coalesced, left in flight; each member
+               gathered into a tensor of its own
+    hand-off:  the first member asked for waits for the collective, under one autograd
+               node for the bucket whose inputs are the members' leaves (or sharded
+               params; no node per member); nothing is copied out
+    backward:  the members' grads cast to the reduce dtype and padded (one
+               _foreach_copy_, none where a grad needs neither)
+               -> one reduce_scatter_tensor_coalesced that averages (NCCL; elsewhere
+               divided in place first, then summed; HSDP: then one coalesced all-reduce)
+               -> each shard's rows, the reduce left in flight ([Note: a reduce-scatter
+               left in flight] in fczero.comm.collectives)
+
+[Note: coalesced, not flat]
+A bucket once laid its shards end to end in one flat buffer, gathered it with one
+all_gather_into_tensor and copied each member out of the result (each rank's rows of a
+member lie apart in ``[world, total]``), and in backward laid its grads out rank-major
+for one reduce_scatter_tensor. A coalesced collective takes a list: NCCL runs the
+members' all-gathers (or reduce-scatters) as one grouped launch, into one output per
+member, so each member's gathered rows come out as its whole param and its reduced rows
+as its shard's grad, and neither copy is made. On 2 x H200 (torch 2.11, NCCL 2.28.9,
+one decoder block of Llama-3.2-3B's shape, fp32 shards gathered in bf16) the gather took
+529-531 us of GPU time coalesced against 636-653 us flat, and the fp32 reduce of bf16
+grads 1,018 us against 1,023, its host time 176 us against 325 (a micro-benchmark, not
+a whole step).
 
 [Note: a bucket never spans two units]
 A unit (``fczero.runtime.units``) asks for all its params when its forward begins. A
@@ -46,9 +60,10 @@ checkpointed block would save other tensors in forward than in its recompute, wh
 of the two gathers the other ran (torch raises ``CheckpointError``). A frozen member is
 handed out detached.
 
-One wait, one copy-in, one copy-out and one grad layout per bucket: the number of
-kernels and Python calls per step follows the buckets, not the params. Autograd runs
-the bucket node's backward once the grads of all its outputs are in, so the
+One collective, at most one copy-in and one grad layout per bucket, and a wait per
+member below autograd (each output of a coalesced collective is registered on its own):
+the number of kernels and Python-level ops per step follows the buckets, not the params.
+Autograd runs the bucket node's backward once the grads of all its outputs are in, so the
 reduce-scatter waits for the last of its members' grads: a bucket of one block reduces
 when that block's backward is done. A member that is never handed off (the order
 changed mid-forward) gets a zero grad here, and its param is gathered on its own
@@ -58,7 +73,7 @@ eager reshard hooks (``fczero.runtime.resharding``) key on.
 Backward's regathers of saved params are bucketed the same way (``regather_bucket``,
 no autograd): ``plan`` cuts the list of saved params, in the order first saved, and a
 regather issues its member's whole bucket; the first member that backward unpacks
-copies them all out. These buckets exist from the first step on, and are planned again
+hands them all out. These buckets exist from the first step on, and are planned again
 only when the saved list changes (``fczero.runtime.resharding.RegatherPlans``).
 """
 
@@ -67,12 +82,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from fczero.comm import collectives
 from fczero.comm.buckets import plan_items
-from fczero.comm.flat import FlatLayout, copy_in, copy_out
+from fczero.comm.flat import FlatLayout, padded
 from fczero.core.spec import sharded_grad
 
 if TYPE_CHECKING:
@@ -139,69 +153,31 @@ def unit_goes_on(entries: list[tuple[ShardSpec, torch.Tensor, bool]]) -> list[bo
     return [i > 0 and path is not None and path == paths[i - 1] for i, path in enumerate(paths)]
 
 
-def rank_major(
-    grads: tuple[torch.Tensor, ...], layouts: tuple[FlatLayout, ...], world: int, out: torch.Tensor
-) -> None:
-    """The reduce-scatter input: each grad cut into ``world`` chunks of its rows per rank,
-    cast to ``out``'s dtype and laid out rank-major in ``out`` (``[world, sum of numels]``).
-
-    [Note: laying grads out rank-major]
-    When no grad needs padding rows, each is viewed as ``[world, numel]``. Of the same
-    dtype as ``out``, one ``cat`` along dim 1 lays them out in one kernel. Cast on the way
-    (bf16 grads, fp32 reduce: the default), ``cat`` copies each grad on its own into a
-    strided ``[world, numel]`` slice, which CUDA's copy does not vectorize; one
-    ``_foreach_copy_`` of each rank's contiguous chunk into its contiguous place casts
-    them all in one kernel launch. On one H200 (torch 2.11) laying out a decoder block of
-    Llama-3.2-3B's shape (nine grads, 2 ranks) took 201 us of GPU time this way against
-    363 us with ``cat``, for 223 against 137 us of host time: 4.5 ms less GPU time over
-    28 blocks (from that micro-benchmark; the two layouts were not timed side by side in a
-    whole step).
-
-    ``_chunk_cat`` pads as well, but its host time is the larger: on one H100 (torch 2.11)
-    laying out one block's six bf16 grads of the 953M benchmark model as fp32 took 218-223
-    us of host time per call with ``_chunk_cat`` against 59-63 us with ``cat``, and in the
-    eager regime-M profile ``_chunk_cat`` was fczero's costliest op on the host (546 us per
-    call). It is kept for buckets that need padding."""
-    if not all(g.shape[0] == world * layout.rows_per_rank for g, layout in zip(grads, layouts)):
-        torch._chunk_cat([g.contiguous() for g in grads], dim=0, num_chunks=world, out=out)
-    elif all(g.dtype == out.dtype for g in grads):
-        torch.cat([g.reshape(world, -1) for g in grads], dim=1, out=out)
-    else:
-        numels = [layout.numel for layout in layouts]
-        places = [row.split(numels) for row in out.unbind(0)]
-        chunks = [g.reshape(world, -1).unbind(0) for g in grads]
-        torch._foreach_copy_(
-            [place for row in places for place in row],
-            [chunks[k][r] for r in range(world) for k in range(len(grads))],
-        )
-
-
-def _copy_out(
-    gathered: torch.Tensor | list[torch.Tensor],
-    world: int,
+def _wholes(
+    gathered: list[torch.Tensor],
     layouts: tuple[FlatLayout, ...],
     dtype: torch.dtype,
+    alone: bool,
 ) -> list[torch.Tensor]:
-    """Every member's unsharded param in storage of its own: out of the gathered buffer,
-    or, over one rank, out of the shards themselves.
+    """Every member's unsharded param, each in storage of its own: the gathered rows
+    without their padding, or, over one rank, the shards themselves, copied.
 
     [Note: a bucket of one rank]
     Over one rank in eager nothing is gathered ([Note: one rank communicates nothing in
-    eager]), and each shard is its whole param (no padding rows), so laying the shards end
-    to end and splitting them again would copy every byte twice: each shard is copied
-    once, cast to the gathered dtype, into storage of its own. That is one kernel per
-    member instead of two ops per bucket (a ``cat`` over the members and a
-    ``split_with_sizes_copy`` into a new buffer per member), and the bucket's gathered
-    bytes are written once instead of twice. Backward mirrors it (``_own_grads``): each
-    grad is cast to the reduce dtype once, where the flat layout cost a ``cat`` and, per
-    member, a view to lay it out and a slice and a view to take it out again."""
-    if isinstance(gathered, list):
+    eager]), and each shard is its whole param (no padding rows): each is copied once,
+    cast to the gathered dtype, into storage of its own (the reshard hooks key members by
+    storage, and a module must not write into a shard). Backward mirrors it
+    (``_own_grads``): each grad is cast to the reduce dtype once."""
+    if alone:
         return [shard.to(dtype, copy=True) for shard in gathered]
-    return copy_out(gathered, world, layouts)
+    return [
+        out if out.shape[0] == layout.whole_rows else out.narrow(0, 0, layout.whole_rows)
+        for out, layout in zip(gathered, layouts)
+    ]
 
 
 class _BucketGather(torch.autograd.Function):
-    """The autograd node of one bucket: the copy-out in forward (the all-gather ran
+    """The autograd node of one bucket: the hand-off in forward (the all-gather ran
     before, outside autograd), the bucket's one reduce-scatter in backward. Its inputs
     are what each member's gather differentiates (``ParamState.differentiated``: the
     plain leaf, whose hook wraps the grad for the param, or the sharded param itself,
@@ -209,10 +185,10 @@ class _BucketGather(torch.autograd.Function):
     the bucket, not one more per member to take each shard out of its DTensor."""
 
     @staticmethod
-    def forward(ctx, spec0: ShardSpec, layouts: tuple[FlatLayout, ...], dtype, gathered, *params):  # type: ignore[override]
+    def forward(ctx, spec0: ShardSpec, layouts: tuple[FlatLayout, ...], dtype, gathered, alone, *params):  # type: ignore[override]
         ctx.meta = (spec0, layouts)
         ctx.specs = tuple(p._spec if isinstance(p, DTensor) else None for p in params)
-        return tuple(_copy_out(gathered, spec0.group_size, layouts, dtype))
+        return tuple(_wholes(gathered, layouts, dtype, alone))
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
@@ -222,26 +198,26 @@ class _BucketGather(torch.autograd.Function):
         if collectives.alone(world) and replicate is None:
             pieces = _own_grads(grads, layouts, reduce_dtype)
         else:
-            flat = grads[0].new_empty(
-                (world, sum(layout.numel for layout in layouts)), dtype=reduce_dtype
+            group = spec0.reduce_group_name
+            # (a double backward's grads are read at once: not left in flight)
+            in_flight = not torch.is_grad_enabled()
+            rows = [world * layout.rows_per_rank for layout in layouts]
+            inputs = padded(
+                grads, rows, layouts, reduce_dtype,
+                reuse=collectives.reduce_reads_only(group, replicate, in_flight),
             )
-            rank_major(grads, layouts, world, flat)
-            if replicate is None and not torch.is_grad_enabled():
-                reduced = collectives.reduce_scatter_mean_in_flight(
-                    flat.view(-1), world, spec0.reduce_group_name
-                )
+            reduced = collectives.reduce_scatter_mean_coalesced(
+                inputs, world, group, replicate, in_flight=in_flight
+            )
+            if in_flight and replicate is None:
                 # ([Note: a reduce-scatter left in flight])
                 collectives.hold_in_flight(reduced, spec0.unit_path)
-            else:  # (HSDP's all-reduce, and a double backward's grads, need it now)
-                collectives.average_(flat, world, replicate)
-                reduced = collectives.reduce_scatter_sum(flat.view(-1), world, spec0.reduce_group_name)
-                reduced = collectives.over_replicas(reduced, replicate)
             pieces = _shard_rows(reduced, layouts)
         out = [
             sharded_grad(piece, spec) if spec is not None else piece
             for piece, spec in zip(pieces, ctx.specs)
         ]
-        return (None, None, None, None, *out)
+        return (None, None, None, None, None, *out)
 
 
 def _own_grads(
@@ -259,25 +235,28 @@ def _own_grads(
     ]
 
 
-def _shard_rows(reduced: torch.Tensor, layouts: tuple[FlatLayout, ...]) -> list[torch.Tensor]:
-    """Each member's rows of this rank's reduced flat shard, in its shard's dtype: one
-    split for the bucket, a view per member, a slice only where padding rows follow. A
-    cast reads the rows, so a reduce still in flight is waited first."""
-    if any(layout.shard_dtype != reduced.dtype for layout in layouts):
-        collectives.wait_on(reduced)
+def _shard_rows(reduced: list[torch.Tensor], layouts: tuple[FlatLayout, ...]) -> list[torch.Tensor]:
+    """Each member's rows of its reduced shard, in its shard's dtype: a view of the
+    output, sliced only where padding rows follow. A cast reads the rows, so a reduce
+    still in flight is waited first.
+
+    A view, not the output itself, even where it covers the whole output: the reduce left
+    in flight holds the output, and a leaf's ``AccumulateGrad`` takes a grad as the
+    leaf's own only when nothing else refers to it; otherwise it copies it, a kernel per
+    member."""
     pieces = []
-    for piece, layout in zip(reduced.split([layout.numel for layout in layouts]), layouts):
-        piece = piece.view(layout.rows_per_rank, *layout.row_shape)
-        if layout.local_rows != layout.rows_per_rank:
-            piece = piece[: layout.local_rows]
-        pieces.append(collectives.cast_to(piece, layout.shard_dtype))
+    for piece, layout in zip(reduced, layouts):
+        if layout.shard_dtype != piece.dtype:
+            piece = collectives.wait_on(piece).to(layout.shard_dtype)
+        pieces.append(piece[: layout.local_rows])
     return pieces
 
 
 class Bucket:
-    """One issued bucket: its all-gather in flight, then its members, all copied out when
-    the first is asked for (``member``). Each member is handed out once; the bucket then
-    drops it, so a member lives only as long as its consumer keeps it."""
+    """One issued bucket: its all-gather in flight, then its members, all handed to one
+    autograd node when the first is asked for (``member``). Each member is handed out
+    once; the bucket then drops it, so a member lives only as long as its consumer keeps
+    it."""
 
     def __init__(self, members: list[tuple[ShardSpec, torch.Tensor]], *, differentiable: bool) -> None:
         self.spec0 = members[0][0]
@@ -291,32 +270,35 @@ class Bucket:
         # be ([Note: frozen members of a bucket])
         self._frozen = [not p.requires_grad for _, p in members] if differentiable else None
         self.dtype = self.spec0.param_dtype or members[0][1].dtype
-        self._gathered: torch.Tensor | None = None
-        self._shards: list[torch.Tensor] | None = None
-        if collectives.alone(self.spec0.group_size):
-            self._shards = shards  # copied out one by one ([Note: a bucket of one rank])
-        else:
-            gathered = collectives.all_gather(
-                copy_in(self.dtype, self.layouts, shards),
-                self.spec0.group_size,
-                self.spec0.group_name,
+        self._alone = collectives.alone(self.spec0.group_size)
+        # the shards over one rank (copied out one by one: [Note: a bucket of one rank]);
+        # otherwise each member's gathered rows, plain tensors waited once ([Note: plain
+        # bucket slices]). A shard may be its own input: nothing writes a shard while its
+        # gather is in flight (the optimizer steps after backward has waited for all).
+        self._gathered: list[torch.Tensor] | None = shards
+        self._waited = self._alone
+        if not self._alone:
+            inputs = padded(
+                shards, [layout.rows_per_rank for layout in self.layouts], self.layouts,
+                self.dtype, reuse=True,
             )
-            # a plain tensor, waited once for the bucket ([Note: plain bucket slices])
-            self._gathered = gathered.elem if isinstance(gathered, AsyncCollectiveTensor) else gathered
+            self._gathered = collectives.all_gather_coalesced(
+                inputs, self.spec0.group_size, self.spec0.group_name
+            )
         self._members: list[torch.Tensor | None] | None = None
 
     def member(self, k: int) -> torch.Tensor:
         """The k-th member's unsharded param (waits for the bucket the first time)."""
         if self._members is None:
-            gathered = self.settle() if self._shards is None else self._shards
+            gathered = self.settle()
             if self._params is not None:
                 outs = _BucketGather.apply(
-                    self.spec0, self.layouts, self.dtype, gathered, *self._params
+                    self.spec0, self.layouts, self.dtype, gathered, self._alone, *self._params
                 )
             else:
                 with torch.no_grad():
-                    outs = _copy_out(gathered, self.spec0.group_size, self.layouts, self.dtype)
-            self._members, self._gathered, self._shards, self._params = list(outs), None, None, None
+                    outs = _wholes(gathered, self.layouts, self.dtype, self._alone)
+            self._members, self._gathered, self._params = list(outs), None, None
         full, self._members[k] = self._members[k], None
         if full is None:
             raise RuntimeError(f"fczero: bucket member {k} was handed out twice (an internal error)")
@@ -324,11 +306,13 @@ class Bucket:
             return full.detach()
         return full
 
-    def settle(self) -> torch.Tensor | None:
-        """Wait for the bucket's all-gather (at most once); returns its plain result, or
-        None once the members are out."""
-        if self._gathered is not None:
-            collectives.wait_on(self._gathered)
+    def settle(self) -> list[torch.Tensor] | None:
+        """Wait for the bucket's all-gather (at most once); returns what the members come
+        from, or None once they are out."""
+        if not self._waited and self._gathered is not None:
+            for out in self._gathered:
+                collectives.wait_on(out)
+            self._waited = True
         return self._gathered
 
 

@@ -21,7 +21,7 @@ never unpacks are waited when backward ends (a callback queued on the autograd e
 
 With eager buckets on (``fczero.runtime.eager_buckets``), the saved params are cut into buckets
 along that list, as forward's gathers are: a regather issues its whole bucket as one
-all-gather, and the first member unpacked copies them all out.
+all-gather, and the first member unpacked hands them all out.
 
 Backward walks the autograd graph in the same order on every rank, and the prefetch
 decisions use only that order and global shapes, so the regathers are issued in the

@@ -12,7 +12,9 @@ _MATMULS = ("mm", "addmm", "bmm")
 class CollectiveLog(TorchDispatchMode):
     """``with CollectiveLog() as log: ...`` then ``log.ops``: e.g. ``["all_gather_into_tensor", ...]``.
 
-    With ``matmuls=True`` matrix multiplies are logged too, to see what overlaps what.
+    A coalesced collective (an eager bucket's: one call for several tensors) is logged
+    once, under the name of the collective it coalesces. With ``matmuls=True`` matrix
+    multiplies are logged too, to see what overlaps what.
     """
 
     def __init__(self, matmuls: bool = False) -> None:
@@ -21,7 +23,7 @@ class CollectiveLog(TorchDispatchMode):
         self.matmuls = matmuls
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name.split("::")[-1]
+        name = func._schema.name.split("::")[-1].removesuffix("_coalesced")
         if (
             func.namespace == "_c10d_functional"
             and name in COLLECTIVE_OPS

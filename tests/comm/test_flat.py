@@ -1,13 +1,15 @@
-"""The flat gather of several shards (fczero/comm/flat.py): the copy in pads and casts each
-shard into one buffer, and the copy out hands every param back whole, in storage of its own;
-a compiled bucket's reduce input (``fczero::chunk_cat``) lays every rank's rows out together."""
+"""Several shards gathered together (fczero/comm/flat.py): a coalesced collective's inputs
+(``padded``) are cast and padded with one copy, or are the sources themselves; the flat
+gather's copy in pads and casts each shard into one buffer, and its copy out hands every
+param back whole, in storage of its own; a compiled bucket's reduce input
+(``fczero::chunk_cat``) lays every rank's rows out together."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fczero.comm.flat import FlatLayout, copy_in, copy_out
+from fczero.comm.flat import FlatLayout, copy_in, copy_out, padded
 
 
 def _rank_shards(rank: int) -> list[torch.Tensor]:
@@ -59,3 +61,41 @@ def test_chunk_cat_lays_out_each_ranks_rows_of_every_grad_together(device):
     expected = torch.cat([a.view(2, -1), b.view(2, -1)], dim=1)
     assert table.shape == (2, 7) and torch.equal(table, expected)
     assert table[1].tolist() == [6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 200.0]
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func._schema.name.split("::")[-1])
+        return func(*args, **(kwargs or {}))
+
+
+def test_padded_reuses_what_needs_nothing_and_copies_the_rest_at_once():
+    """[Note: one copy for a bucket's collective inputs]: with ``reuse``, a source of the
+    right dtype and rows is its own input; the others, cast and padded with zero rows,
+    share one buffer filled by one ``_foreach_copy_``. Without ``reuse`` every source
+    is copied."""
+    layouts = (
+        FlatLayout(2, 2, 4, (3,), torch.float32),
+        FlatLayout(2, 1, 3, (3,), torch.float32),  # this rank holds one of its two rows
+        FlatLayout(2, 2, 4, (), torch.float32),
+    )
+    ready = torch.ones(2, 3, dtype=torch.bfloat16)
+    short = torch.full((1, 3), 2.0)
+    cast = torch.tensor([3.0, 4.0])
+    with _Ops() as ops:
+        inputs = padded([ready, short, cast], [2, 2, 2], layouts, torch.bfloat16, reuse=True)
+    assert inputs[0] is ready
+    assert inputs[1].tolist() == [[2.0, 2.0, 2.0], [0.0, 0.0, 0.0]]
+    assert inputs[2].tolist() == [3.0, 4.0]
+    assert all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in inputs)
+    assert inputs[1].untyped_storage().data_ptr() == inputs[2].untyped_storage().data_ptr()
+    assert ops.names.count("_foreach_copy_") == 1 and "copy_" not in ops.names
+    again = padded([ready, short, cast], [2, 2, 2], layouts, torch.bfloat16, reuse=False)
+    assert again[0] is not ready and torch.equal(again[0], ready)
+    # a reduce-scatter's inputs: world x rows per rank (here 2 x 2), the grad's own rows first
+    grads = padded([torch.ones(3, 3)], [4], layouts[1:2], torch.float32, reuse=True)
+    assert grads[0].shape == (4, 3) and grads[0][3].tolist() == [0.0, 0.0, 0.0]

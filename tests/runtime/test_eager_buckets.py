@@ -11,7 +11,6 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import fczero
-from fczero.comm.flat import FlatLayout
 from fczero.core.state import module_state, root_state
 from fczero.runtime import eager_buckets
 from fczero.testing import parity
@@ -128,11 +127,11 @@ def test_bucketed_training_matches_the_reference():
     parity.assert_close(blocks, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_a_bucket_waits_and_copies_out_once(fake_pg):
-    """[Note: plain bucket slices], [Note: eager buckets]: a bucket's all-gather result is
-    a plain tensor, waited once, when its first member is asked for (whichever it is);
-    every member then has storage of its own, holds the param's values, and is handed
-    out once."""
+def test_a_bucket_waits_once_and_hands_each_member_out_once(fake_pg):
+    """[Note: plain bucket slices], [Note: coalesced, not flat]: a bucket is one coalesced
+    all-gather whose outputs (one per member, each registered on its own) are plain
+    tensors, waited when the first member is asked for (whichever it is); every member
+    then has storage of its own, holds the param's values, and is handed out once."""
     from fczero.testing.distributed import pending_collectives
 
     model = fczero.parallelize(ThreeBlocks(dim=64), init_device_mesh("cpu", (2,)))
@@ -144,10 +143,10 @@ def test_a_bucket_waits_and_copies_out_once(fake_pg):
     with CollectiveLog() as log:
         bucket = eager_buckets.gather_bucket(members)
     assert log.count("all_gather_into_tensor") == 1
-    assert pending_collectives() == before + 1
+    assert pending_collectives() == before + len(members)
     with CollectiveLog() as log:
         last = bucket.member(len(members) - 1)  # the last member first: it waits for the bucket
-    assert log.ops == []  # the copy-out issues nothing
+    assert log.ops == []  # the hand-off issues nothing
     assert pending_collectives() == before
     fulls = [bucket.member(k) for k in range(len(members) - 1)] + [last]
     storages = {full.untyped_storage().data_ptr() for full in fulls}
@@ -166,7 +165,7 @@ def test_a_bucket_waits_and_copies_out_once(fake_pg):
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_bucket_grads_are_the_per_param_reduce(world):
-    """One bucket's backward (grads laid out by one _chunk_cat, cast, averaged, one
+    """One bucket's backward (grads cast and padded, averaged, one coalesced
     reduce-scatter) gives each shard the grad that a per-param gather's backward gives:
     uneven rows, padding, bf16 compute with fp32 reduce."""
     assert run_on_ranks(_bucket_vs_single_grads, world) == [True] * world
@@ -259,11 +258,14 @@ class _OpCount(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("blocks", [2, 6])
-def test_per_step_copies_and_waits_follow_buckets_not_params(fake_pg, blocks):
-    """No per-step work grows with the params where a per-bucket op would do. A
-    model of N blocks, one bucket per block (2 params each), in a bucketed eager step: one
-    wait per collective, one copy-in, one copy-out and one grad layout per bucket, and no
-    clone at all, whatever the number of params in a bucket."""
+@pytest.mark.parametrize("bf16", [False, True])
+def test_per_step_copies_follow_buckets_not_params(fake_pg, blocks, bf16):
+    """No per-step work grows with the params where a per-bucket op would do
+    ([Note: coalesced, not flat]). A model of N blocks, one bucket per block (2 params
+    each), in a bucketed eager step: one collective per bucket, no copy out of a gathered
+    buffer, no clone or copy; a shard already in the gathered dtype is its own all-gather input,
+    one cast to it takes one ``_foreach_copy_`` per bucket, and so does each reduced
+    bucket's grads (the fake group divides them in place, so they are copied first)."""
 
     class Blocks(torch.nn.Module):
         def __init__(self) -> None:
@@ -275,25 +277,29 @@ def test_per_step_copies_and_waits_follow_buckets_not_params(fake_pg, blocks):
                 x = torch.relu(block(x))
             return x
 
-    block_bytes = (16 * 16 + 16) * 4
+    block_bytes = (16 * 16 + 16) * (2 if bf16 else 4)
+    mp = fczero.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = fczero.parallelize(
-        Blocks(), init_device_mesh("cpu", (2,)), comm_policy=fczero.CommPolicy(bucket_bytes=block_bytes, keep_unsharded=0)
+        Blocks(),
+        init_device_mesh("cpu", (2,)),
+        comm_policy=fczero.CommPolicy(bucket_bytes=block_bytes, keep_unsharded=0),
+        mp_policy=mp if bf16 else None,
     )
     model(torch.randn(4, 16)).sum().backward()  # the first step records the order
     with _OpCount() as ops:
         model(torch.randn(4, 16)).sum().backward()
     c = ops.counts
-    collectives = c.get("all_gather_into_tensor", 0) + c.get("reduce_scatter_tensor", 0)
     # forward: a bucket per block; backward regathers each block whose weight is saved
     # (the first block's is not: its input needs no grad), whole (a unit), one bucket each
-    assert c["all_gather_into_tensor"] == blocks + (blocks - 1)
-    assert c["reduce_scatter_tensor"] == blocks
-    assert c["wait_tensor"] == collectives  # one wait per collective, none per member
-    assert c["split_with_sizes_copy"] == blocks + (blocks - 1)  # one copy-out per bucket
-    # one copy-in per bucket and one grad layout per reduced bucket (rows split evenly:
-    # a ``cat``, no padding)
-    assert c["cat"] == 2 * blocks + (blocks - 1) and c.get("_chunk_cat", 0) == 0
-    assert c.get("clone", 0) == 0
+    gathers = blocks + (blocks - 1)
+    assert c["all_gather_into_tensor_coalesced"] == gathers
+    assert c["reduce_scatter_tensor_coalesced"] == blocks
+    assert "all_gather_into_tensor" not in c and "reduce_scatter_tensor" not in c
+    assert c["wait_tensor"] == 2 * (gathers + blocks)  # each member's output, once
+    assert c.get("_foreach_copy_", 0) == (gathers if bf16 else 0) + blocks
+    # (``copy_``: a leaf's ``AccumulateGrad`` copies a grad that something else refers to)
+    for op in ("split_with_sizes_copy", "cat", "_chunk_cat", "clone", "copy_"):
+        assert c.get(op, 0) == 0, op
 
 
 def _autograd_nodes(loss: torch.Tensor) -> list:
@@ -326,31 +332,6 @@ def test_a_bucket_is_one_autograd_node_over_its_members(fake_pg):
     params = dict(model.named_parameters())
     assert all(isinstance(p.grad, torch.distributed.tensor.DTensor) for p in params.values())
     assert all(p.grad.placements == p.placements for p in params.values())
-
-
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_rank_major_lays_out_grads_as_chunk_cat_would(world):
-    """The reduce-scatter input: rank r's row holds the r-th chunk of rows of every grad,
-    cast, in member order; rows that do not split evenly are zero-padded (``_chunk_cat``),
-    rows that do take one ``cat`` (same dtype) or one ``_foreach_copy_`` (cast). Checked
-    against a layout built chunk by chunk."""
-    g = torch.Generator().manual_seed(0)
-    cases = [([6, 3, 12], torch.bfloat16), ([6, 3, 12], torch.float32), ([5, 3, 12], torch.bfloat16)]
-    for rows, dtype in cases:  # the last needs padding at worlds 2 and 3
-        grads = tuple(torch.randn(r, 4, generator=g).to(dtype) for r in rows)
-        layouts = tuple(
-            FlatLayout(-(-r // world), -(-r // world), r, (4,), torch.float32) for r in rows
-        )
-        out = torch.empty(world, sum(layout.numel for layout in layouts))
-        eager_buckets.rank_major(grads, layouts, world, out)
-        expected = torch.zeros_like(out)
-        for rank in range(world):
-            offset = 0
-            for grad, layout in zip(grads, layouts):
-                chunk = grad[rank * layout.rows_per_rank : (rank + 1) * layout.rows_per_rank]
-                expected[rank, offset : offset + chunk.numel()] = chunk.float().reshape(-1)
-                offset += layout.numel
-        assert torch.equal(out, expected)
 
 
 @pytest.mark.parametrize("bf16", [False, True])
@@ -439,27 +420,28 @@ def test_issue_bytes_counts_a_whole_bucket_at_each_member():
 
 
 class _OpSequence(torch.utils._python_dispatch.TorchDispatchMode):
-    """Every op dispatched below autograd, by name, in order; with ``with_storage``, each
-    collective and wait also with the storage of the tensor it produces or waits for."""
+    """Every op dispatched below autograd, by name (a coalesced collective under the name
+    of the one it coalesces), in order; with ``with_storage``, each collective with the
+    storages of the tensors it produces, and each wait and add with the storage it reads."""
 
     def __init__(self, with_storage: bool = False) -> None:
         super().__init__()
         self.names: list[str] = []
-        self.events: list[tuple[str, int | None]] = []
+        self.events: list[tuple[str, tuple[int, ...]]] = []
         self._with_storage = with_storage
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name.split("::")[-1]
+        name = func._schema.name.split("::")[-1].removesuffix("_coalesced")
         out = func(*args, **(kwargs or {}))
         self.names.append(name)
         if self._with_storage:
-            t = {"wait_tensor": args[0], "add_": args[-1]}.get(name, out)
-            key = t.untyped_storage().data_ptr() if name in _STORAGE_EVENTS else None
-            self.events.append((name, key))
+            read = {"wait_tensor": args[0], "add_": args[-1]}.get(name)
+            tensors = [read] if read is not None else out if name in _COLLECTIVES else []
+            self.events.append((name, tuple(t.untyped_storage().data_ptr() for t in tensors)))
         return out
 
 
-_STORAGE_EVENTS = ("reduce_scatter_tensor", "wait_tensor", "add_")
+_COLLECTIVES = ("reduce_scatter_tensor", "all_gather_into_tensor")
 
 
 class _TwoLinearBlocks(torch.nn.Module):
@@ -522,10 +504,14 @@ def test_a_units_reduces_stay_in_flight_until_the_next_units(fake_pg):
     with _OpSequence(with_storage=True) as ops:
         loss.backward()
     assert pending_collectives() == 0
-    reduces = [(i, key) for i, (name, key) in enumerate(ops.events) if name == "reduce_scatter_tensor"]
+    events = ops.events
+    reduces = [(i, keys) for i, (name, keys) in enumerate(events) if name == "reduce_scatter_tensor"]
     assert len(reduces) == 8  # two buckets a block; a block's two reduce when its grads are in
-    for k, (i, key) in enumerate(reduces):
-        waited = next(j for j in range(i + 1, len(ops.events)) if ops.events[j] == ("wait_tensor", key))
+    for k, (i, keys) in enumerate(reduces):
+        waited = min(  # the first wait for any of the bucket's outputs
+            next(j for j in range(i + 1, len(events)) if events[j] == ("wait_tensor", (key,)))
+            for key in keys
+        )
         block, other = k // 2, reduces[k + 1 - 2 * (k % 2)][0]  # the other bucket's reduce
         assert waited > other, k  # never between the two reduces of one block
         if block + 1 < len(reduces) // 2:  # the block before computes, then reduces
@@ -544,15 +530,16 @@ def test_an_accumulated_grad_waits_for_its_reduce_first(fake_pg):
     with _OpSequence(with_storage=True) as ops:
         loss.backward()
     reduced: dict[int, int] = {}  # storage -> index of the reduce that wrote it last
-    waited: set[int] = set()  # reduces waited so far, by index
+    waited: set[tuple[int, int]] = set()  # (storage, reduce index) waited so far
     adds = 0
-    for i, (name, key) in enumerate(ops.events):
+    for i, (name, keys) in enumerate(ops.events):
         if name == "reduce_scatter_tensor":
-            reduced[key] = i
-        elif name == "wait_tensor" and key in reduced:
-            waited.add(reduced[key])
-        elif name == "add_" and key in reduced:
-            assert reduced[key] in waited, i  # the add read a reduce still in flight
+            reduced.update((key, i) for key in keys)
+        elif name == "wait_tensor" and keys[0] in reduced:
+            waited.add((keys[0], reduced[keys[0]]))
+        elif name == "add_" and keys[0] in reduced:
+            # the add read a reduce still in flight
+            assert (keys[0], reduced[keys[0]]) in waited, i
             adds += 1
     assert adds == 16  # every param's grad, each from its bucket's reduce
 
@@ -571,7 +558,8 @@ def test_a_backward_after_one_that_raised_waits_for_its_last_reduce(fake_pg):
     x.register_hook(fail)
     with pytest.raises(RuntimeError, match="stop here"):
         model(x).sum().backward()
-    assert pending_collectives() == 2  # the raising backward's last block's two reduces
+    # the raising backward's last block's two reduces, a weight's and a bias's output each
+    assert pending_collectives() == 4
     model.zero_grad(set_to_none=True)  # (an add to a held grad would wait for it anyway)
     model(torch.randn(4, 16)).sum().backward()
     assert pending_collectives() == 0
