@@ -310,8 +310,7 @@ class Bucket:
         """Wait for the bucket's all-gather (at most once); returns what the members come
         from, or None once they are out."""
         if not self._waited and self._gathered is not None:
-            for out in self._gathered:
-                collectives.wait_on(out)
+            collectives.wait_all(self._gathered)
             self._waited = True
         return self._gathered
 
