@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from fczero.comm.flat import FlatLayout, padded
+
 _c10d = torch.ops._c10d_functional
 
 
@@ -103,10 +105,18 @@ def wait_on(t: torch.Tensor) -> torch.Tensor:
     registers a Python autograd kernel for ``wait_tensor`` (an identity), and a plain
     result needs no grad link.
     """
-    if not tracing():
-        with torch._C._AutoDispatchBelowAutograd():
-            _c10d.wait_tensor(t)
+    wait_all((t,))
     return t
+
+
+def wait_all(ts: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> None:
+    """``wait_on`` for each of ``ts`` (the outputs of one coalesced collective), with one
+    check of the tracing state and one trip below autograd for all of them."""
+    if tracing():
+        return
+    with torch._C._AutoDispatchBelowAutograd():
+        for t in ts:
+            _c10d.wait_tensor(t)
 
 
 def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -166,23 +176,16 @@ def reduce_scatter_sum(full: torch.Tensor, group_size: int, group_name: str) -> 
     return _c10d.wait_tensor(out)
 
 
-def wait_all(ts: list[torch.Tensor]) -> None:
-    """``wait_on`` for each of ``ts`` (the outputs of one coalesced collective), with one
-    check of the tracing state and one trip below autograd for all of them."""
-    if tracing():
-        return
-    with torch._C._AutoDispatchBelowAutograd():
-        for t in ts:
-            _c10d.wait_tensor(t)
-
-
 def all_gather_coalesced(
-    inputs: list[torch.Tensor], group_size: int, group_name: str
+    shards: list[torch.Tensor], layouts: tuple[FlatLayout, ...], dtype: torch.dtype,
+    group_size: int, group_name: str,
 ) -> list[torch.Tensor]:
-    """Each input concatenated over ranks along dim 0, all in one collective
+    """Each shard cast to ``dtype``, padded to its rows per rank (``flat.padded``) and
+    concatenated over ranks along dim 0, all in one collective
     (``all_gather_into_tensor_coalesced``): plain tensors, left in flight for the caller
     to wait (``wait_all``), waited here on gloo ([Note: one gloo collective in flight]).
-    Eager only.
+    A shard that needs no cast or padding is its own input: nothing writes a shard while
+    its gather is in flight. Eager only.
 
     [Note: coalesced collectives below autograd]
     The eager coalesced collectives are issued below autograd, as ``wait_on`` waits:
@@ -192,6 +195,7 @@ def all_gather_coalesced(
     with each block compiled (CPU, fake group of 2, ``bench.host_cost``'s model) made
     28,218 Python calls under cProfile, against 30,281 with each call through autograd
     and each wait on its own (and 28,867 with the flat buckets before them)."""
+    inputs = padded(shards, layouts, dtype, ranks=1, reuse=True)
     with torch._C._AutoDispatchBelowAutograd():
         outs = _c10d.all_gather_into_tensor_coalesced(inputs, group_size, group_name)
     if one_at_a_time(group_name):
@@ -199,34 +203,33 @@ def all_gather_coalesced(
     return outs
 
 
-def reduce_reads_only(group_name: str, replicate: tuple[int, str] | None, in_flight: bool) -> bool:
-    """Whether ``reduce_scatter_mean_coalesced`` only reads its inputs: left in flight, no
-    replicas, and on NCCL, whose collective averages (``ReduceOp.AVG``). Then a grad may be
-    its own input; otherwise the inputs are divided in place first."""
-    return in_flight and replicate is None and backend_of(group_name) == "nccl"
-
-
 def reduce_scatter_mean_coalesced(
-    inputs: list[torch.Tensor],
+    grads: tuple[torch.Tensor, ...],
+    layouts: tuple[FlatLayout, ...],
+    dtype: torch.dtype,
     group_size: int,
     group_name: str,
     replicate: tuple[int, str] | None = None,
     *,
     in_flight: bool = True,
 ) -> list[torch.Tensor]:
-    """Each input's mean over ranks (HSDP: over the replicas too), this rank's dim-0
+    """Each grad's mean over ranks (HSDP: over the replicas too), cast to ``dtype`` and
+    padded to ``group_size`` times its rows per rank (``flat.padded``), this rank's dim-0
     slice of each, in one collective (``reduce_scatter_tensor_coalesced``). Eager only.
 
     With ``in_flight`` and no replicas the results are left in flight for the caller to
-    wait (``wait_on``, each; on gloo they are waited here). On NCCL the collective
-    averages, so no division kernel runs on the compute stream: in regime R's per-block
-    profile (2 x H200, Hugging Face's Llama at 3B) dividing every bucket's fp32 grads
-    before their reduce-scatter took 6.1 ms a step. Elsewhere (gloo has no average), and
-    with replicas, the inputs, which the caller then owns (``reduce_reads_only``), are
-    divided in place and summed; with replicas the sums are waited and summed over the
-    replicas by one coalesced all-reduce, as is anything not ``in_flight``."""
+    wait (``wait_all``; on gloo they are waited here). On NCCL the collective then
+    averages, so no division kernel runs on the compute stream (in regime R's per-block
+    profile, 2 x H200, Hugging Face's Llama at 3B, dividing every bucket's fp32 grads
+    before their reduce-scatter took 6.1 ms a step), and a grad that needs no cast or
+    padding is its own input, since the collective only reads it. Elsewhere (gloo has no
+    average), and with replicas, the inputs are copies, divided in place and summed; with
+    replicas the sums are waited and summed over the replicas by one coalesced
+    all-reduce, as is anything not ``in_flight``."""
     below = torch._C._AutoDispatchBelowAutograd  # ([Note: coalesced collectives below autograd])
-    if reduce_reads_only(group_name, replicate, in_flight):
+    averages = in_flight and replicate is None and backend_of(group_name) == "nccl"
+    inputs = padded(grads, layouts, dtype, ranks=group_size, reuse=averages)
+    if averages:
         with below():
             return _c10d.reduce_scatter_tensor_coalesced(inputs, "avg", group_size, group_name)
     ranks = _ranks_averaged(group_size, replicate)
@@ -347,13 +350,6 @@ def _average(
     still cost a pass over it in compiled graphs, where Inductor keeps it)."""
     ranks = _ranks_averaged(group_size, replicate)
     return grad / ranks if ranks != 1 else grad
-
-
-def average_(grad: torch.Tensor, group_size: int, replicate: tuple[int, str] | None) -> torch.Tensor:
-    """``_average`` in place, on a buffer the caller owns; a division by one is skipped (it
-    would change no value)."""
-    ranks = _ranks_averaged(group_size, replicate)
-    return grad.div_(ranks) if ranks != 1 else grad
 
 
 def over_replicas(t: torch.Tensor, replicate: tuple[int, str] | None) -> torch.Tensor:

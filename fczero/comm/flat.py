@@ -3,12 +3,12 @@
 An eager bucket (``fczero.runtime.eager_buckets``) gathers and reduces its members with one
 coalesced collective each way, each member in a tensor of its own:
 
-    gather_inputs:  each shard cast and padded to its rows per rank (itself where it
-                    needs neither; the others one _foreach_copy_ into one buffer)
-    gather:         one all_gather_into_tensor_coalesced -> each member's
-                    [world * rows per rank, ...], its padding rows a narrow away
-    reduce_inputs:  each grad cast and padded to world * rows per rank (the same rule)
-    reduce:         one reduce_scatter_tensor_coalesced -> each member's rows per rank
+    padded(ranks=1):      each shard cast and padded to its rows per rank (itself where
+                          it needs neither; the others one _foreach_copy_ into one buffer)
+    gather:               one all_gather_into_tensor_coalesced -> each member's
+                          [world * rows per rank, ...], its padding rows a narrow away
+    padded(ranks=world):  each grad cast and padded to world * rows per rank (same rule)
+    reduce:               one reduce_scatter_tensor_coalesced -> each member's rows per rank
 
 The refresh of stage 1/2's whole copies (``fczero.runtime.param_states``) gathers one flat
 buffer instead, and copies each param out of it:
@@ -69,14 +69,15 @@ def copy_in(dtype: torch.dtype, layouts: tuple[FlatLayout, ...], shards: list[to
 @torch.no_grad()
 def padded(
     sources: list[torch.Tensor] | tuple[torch.Tensor, ...],
-    rows: list[int],
     layouts: tuple[FlatLayout, ...],
     dtype: torch.dtype,
     *,
+    ranks: int,
     reuse: bool,
 ) -> list[torch.Tensor]:
-    """Each source as a contiguous ``[rows[k], *row_shape]`` tensor in ``dtype``, its rows
-    past the source's zero: the inputs of a coalesced collective.
+    """Each source as a contiguous ``[ranks * rows_per_rank, *row_shape]`` tensor in
+    ``dtype``, its rows past the source's zero: the inputs of a coalesced collective (an
+    all-gather's shards: ``ranks=1``; a reduce-scatter's grads: ``ranks`` = the group's).
 
     [Note: one copy for a bucket's collective inputs]
     A source that needs no cast and no padding rows is its own input when ``reuse`` is
@@ -89,26 +90,25 @@ def padded(
     own = [
         reuse
         and src.dtype == dtype
-        and src.shape[0] == n
+        and src.shape[0] == ranks * layout.rows_per_rank
         and src.is_contiguous()
-        for src, n in zip(sources, rows)
+        for src, layout in zip(sources, layouts)
     ]
     if all(own):
         return list(sources)
     flat = sources[0].new_empty(
-        sum(n * math.prod(layout.row_shape) for n, layout, o in zip(rows, layouts, own) if not o),
-        dtype=dtype,
+        ranks * sum(layout.numel for layout, o in zip(layouts, own) if not o), dtype=dtype
     )
     inputs, targets, copied, offset = [], [], [], 0
-    for src, n, layout, o in zip(sources, rows, layouts, own):
+    for src, layout, o in zip(sources, layouts, own):
         if o:
             inputs.append(src)
             continue
-        numel = n * math.prod(layout.row_shape)
-        place = flat[offset : offset + numel].view(n, *layout.row_shape)
-        offset += numel
+        rows = ranks * layout.rows_per_rank
+        place = flat[offset : offset + ranks * layout.numel].view(rows, *layout.row_shape)
+        offset += ranks * layout.numel
         inputs.append(place)
-        if src.shape[0] < n:
+        if src.shape[0] < rows:
             place[src.shape[0] :].zero_()
         if src.shape[0]:
             targets.append(place[: src.shape[0]])

@@ -86,7 +86,7 @@ from torch.distributed.tensor import DTensor
 
 from fczero.comm import collectives
 from fczero.comm.buckets import plan_items
-from fczero.comm.flat import FlatLayout, padded
+from fczero.comm.flat import FlatLayout
 from fczero.core.spec import sharded_grad
 
 if TYPE_CHECKING:
@@ -198,16 +198,11 @@ class _BucketGather(torch.autograd.Function):
         if collectives.alone(world) and replicate is None:
             pieces = _own_grads(grads, layouts, reduce_dtype)
         else:
-            group = spec0.reduce_group_name
             # (a double backward's grads are read at once: not left in flight)
             in_flight = not torch.is_grad_enabled()
-            rows = [world * layout.rows_per_rank for layout in layouts]
-            inputs = padded(
-                grads, rows, layouts, reduce_dtype,
-                reuse=collectives.reduce_reads_only(group, replicate, in_flight),
-            )
             reduced = collectives.reduce_scatter_mean_coalesced(
-                inputs, world, group, replicate, in_flight=in_flight
+                grads, layouts, reduce_dtype, world, spec0.reduce_group_name, replicate,
+                in_flight=in_flight,
             )
             if in_flight and replicate is None:
                 # ([Note: a reduce-scatter left in flight])
@@ -273,17 +268,12 @@ class Bucket:
         self._alone = collectives.alone(self.spec0.group_size)
         # the shards over one rank (copied out one by one: [Note: a bucket of one rank]);
         # otherwise each member's gathered rows, plain tensors waited once ([Note: plain
-        # bucket slices]). A shard may be its own input: nothing writes a shard while its
-        # gather is in flight (the optimizer steps after backward has waited for all).
+        # bucket slices])
         self._gathered: list[torch.Tensor] | None = shards
         self._waited = self._alone
         if not self._alone:
-            inputs = padded(
-                shards, [layout.rows_per_rank for layout in self.layouts], self.layouts,
-                self.dtype, reuse=True,
-            )
             self._gathered = collectives.all_gather_coalesced(
-                inputs, self.spec0.group_size, self.spec0.group_name
+                shards, self.layouts, self.dtype, self.spec0.group_size, self.spec0.group_name
             )
         self._members: list[torch.Tensor | None] | None = None
 

@@ -87,15 +87,15 @@ def test_padded_reuses_what_needs_nothing_and_copies_the_rest_at_once():
     short = torch.full((1, 3), 2.0)
     cast = torch.tensor([3.0, 4.0])
     with _Ops() as ops:
-        inputs = padded([ready, short, cast], [2, 2, 2], layouts, torch.bfloat16, reuse=True)
+        inputs = padded([ready, short, cast], layouts, torch.bfloat16, ranks=1, reuse=True)
     assert inputs[0] is ready
     assert inputs[1].tolist() == [[2.0, 2.0, 2.0], [0.0, 0.0, 0.0]]
     assert inputs[2].tolist() == [3.0, 4.0]
     assert all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in inputs)
     assert inputs[1].untyped_storage().data_ptr() == inputs[2].untyped_storage().data_ptr()
     assert ops.names.count("_foreach_copy_") == 1 and "copy_" not in ops.names
-    again = padded([ready, short, cast], [2, 2, 2], layouts, torch.bfloat16, reuse=False)
+    again = padded([ready, short, cast], layouts, torch.bfloat16, ranks=1, reuse=False)
     assert again[0] is not ready and torch.equal(again[0], ready)
     # a reduce-scatter's inputs: world x rows per rank (here 2 x 2), the grad's own rows first
-    grads = padded([torch.ones(3, 3)], [4], layouts[1:2], torch.float32, reuse=True)
+    grads = padded([torch.ones(3, 3)], layouts[1:2], torch.float32, ranks=2, reuse=True)
     assert grads[0].shape == (4, 3) and grads[0][3].tolist() == [0.0, 0.0, 0.0]
