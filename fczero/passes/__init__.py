@@ -10,6 +10,7 @@
 | bucket_all_reduces_pass       | all_reduce.py| one all-reduce per block (stage 1 grads, HSDP) |
 | sink_waits_pass               | schedule.py  | waits just before first use                   |
 | prefetch_all_gathers_pass     | schedule.py  | gathers issued a block ahead, under a budget  |
+| gathers_before_reduces_pass   | schedule.py  | a reduce-scatter issued after the gathers due first |
 | one_in_flight_pass            | schedule.py  | gloo only: each wait right after its collective |
 | gathers_in_place_pass         | in_place.py  | each shard written into its slot of the output |
 | reduces_in_place_pass         | in_place.py  | a reduce over one rank done in place          |
@@ -38,6 +39,7 @@ from fczero.passes.in_place import (
 )
 from fczero.passes.registry import PassSettings, check_timeouts, settings_for_graph
 from fczero.passes.schedule import (
+    gathers_before_reduces_pass,
     one_in_flight_pass,
     prefetch_all_gathers_pass,
     sink_gathers_pass,
@@ -82,6 +84,7 @@ def _run_passes(gm: fx.GraphModule, settings: PassSettings | None) -> fx.GraphMo
         settings.warned,
         bucket_bytes=settings.bucket_bytes,
     )
+    gm = gathers_before_reduces_pass(gm, groups)
     gm = one_in_flight_pass(gm, groups | settings.replicate_groups)
     gm = gathers_in_place_pass(gm, groups, settings.rank)
     gm = reduces_in_place_pass(gm, groups)

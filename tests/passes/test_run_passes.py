@@ -128,7 +128,6 @@ t_6: "f32[8, 512]" = aten.t(t_3)
 mm_2: "f32[4, 512]" = aten.mm(tangents_1, t_6);  tangents_1 = t_6 = None
 t_7: "f32[8, 512]" = aten.t(t_5)
 div: "f32[8, 512]" = aten.div.Tensor(t_7, 2)
-reduce_scatter_tensor: "f32[4, 512]" = _c10d_functional.reduce_scatter_tensor(div, 'sum', 2, '0')
 detach_14: "f32[4, 512]" = aten.detach(relu_2)
 detach_17: "f32[4, 512]" = aten.detach(detach_14)
 threshold_backward: "f32[4, 512]" = aten.threshold_backward(mm_2, detach_17, 0);  mm_2 = detach_17 = None
@@ -137,6 +136,7 @@ empty_memory_format_2: "f32[512, 512]" = aten.empty.memory_format([512, 512], dt
 slice_tensor_8: "f32[256, 512]" = aten.slice.Tensor(empty_memory_format_2, 0, 0, 256)
 copy__default_2: "f32[256, 512]" = aten.copy_(slice_tensor_8, primals_4);  slice_tensor_8 = primals_4 = None
 all_gather_into_tensor_out_default_2: "f32[512, 512]" = _c10d_functional.all_gather_into_tensor_out(copy__default_2, 2, '0', out = empty_memory_format_2);  copy__default_2 = empty_memory_format_2 = None
+reduce_scatter_tensor: "f32[4, 512]" = _c10d_functional.reduce_scatter_tensor(div, 'sum', 2, '0')
 t_2: "f32[512, 512]" = aten.t(wait_tensor_4)
 t_8: "f32[512, 512]" = aten.t(t_2)
 mm_3: "f32[4, 512]" = aten.mm(threshold_backward, t_8)

@@ -8,7 +8,9 @@ import logging
 import unittest
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fczero
 from fczero.passes import run_passes
@@ -56,6 +58,24 @@ class ScheduleTest(ThreeBlocksGraphs):
                 continue  # the last block's: waited where the grads are returned
             (wait,) = reduce.users
             self.assertTrue(any(at[reduce] < m < at[wait] for m in matmuls), (block, names))
+
+    def test_no_gather_waits_behind_a_reduce(self):
+        """[Note: a gather never queues behind a reduce]: where backward issues a block's
+        reduce-scatter and the next gathers with no matmul between, the gathers go first
+        (before the pass the head's reduce-scatter came first, then block 2's regather)."""
+        for bucket in (PER_BLOCK, 2**19):
+            _, bw = self.graphs()
+            run_passes(bw, settings(bucket_bytes=bucket))
+            kinds = [
+                "rs" if "reduce_scatter_tensor" in t else "ag" if "all_gather" in t else "mm"
+                for t in (str(n.target) for n in bw.graph.nodes if n.op == "call_function")
+                if "reduce_scatter_tensor" in t or "all_gather" in t
+                or t in ("aten.mm.default", "aten.addmm.default")
+            ]  # fmt: skip
+            with self.subTest(bucket=bucket):
+                self.assertIn("rs", kinds)
+                runs = "".join(k[0] for k in kinds).split("m")  # what is issued between matmuls
+                self.assertFalse([r for r in runs if "ra" in r], kinds)
 
     def test_prefetch_issues_the_next_gather_before_this_blocks_matmul(self):
         fw, _ = self.graphs()
@@ -140,9 +160,11 @@ def _sequences(rank: int, world_size: int) -> list[list[list[str]]]:
     return out
 
 
-def _order(gm: torch.fx.GraphModule) -> list[str]:
-    """Collectives and matmuls in program order: where each gather was placed."""
+def _order(gm: torch.fx.GraphModule, waits: bool = False) -> list[str]:
+    """Collectives and matmuls in program order: where each gather was placed (and, with
+    ``waits``, where each collective is waited)."""
     keep = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "mm", "addmm")
+    keep += ("all_gather_into_tensor_out", "wait_tensor") if waits else ()
     return [
         f"{n.target}{list(n.meta['val'].shape)}"
         for n in gm.graph.nodes
@@ -157,6 +179,28 @@ def test_every_rank_issues_the_same_collectives():
     assert all(graphs for graphs in per_rank[0])
     for other in per_rank[1:]:
         assert other == per_rank[0]
+
+
+def test_a_padded_shard_waits_for_its_reduce_where_the_others_do():
+    """13 rows on 4 ranks again, on the fake group, so no rank waits where it issues: rank
+    3, whose shards carry padding, must place every collective and every wait where rank 0
+    does (its reduce-scatters were once waited at once, held by the padding's removal)."""
+    orders = []
+    for rank in (0, 3):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+        try:
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            graphs: list[torch.fx.GraphModule] = []
+            model = fczero.parallelize(
+                UnevenTiedMLP(), init_device_mesh("cpu", (4,)), comm_policy=fczero.CommPolicy(bucket_bytes=0)
+            )
+            torch.compile(model, backend=backends.recording(graphs))(torch.randn(4, 5)).sum().backward()
+            orders.append([_order(g, waits=True) for g in graphs])
+        finally:
+            dist.destroy_process_group()
+    assert any("wait_tensor" in n for g in orders[0] for n in g)
+    assert orders[1] == orders[0]
 
 
 def _gloo_schedule(rank: int, world_size: int) -> list[list[str]]:
