@@ -42,7 +42,7 @@ them: the regather then waits for the reduce-scatters to finish before it starts
 compute that needs it waits too. ``gathers_before_reduces_pass`` moves each reduce-scatter
 down past the all-gathers on its group issued before the next bucket's compute begins.
 The reduce-scatter is waited a block later, the gather within a bucket. In a profile of
-fczero's Llama at 3B with each block checkpointed (2 x H200), 0.2 ms of each of half the
+fczero's Llama at 3B with each block checkpointed (2 of 4 H200s), 0.2 ms of each of half the
 blocks' regathers, and 2.7 ms for the tied table's reduce-scatter at the start of backward,
 were exposed this way.
 
