@@ -185,8 +185,7 @@ def prefetch_all_gathers_pass(
     if prefetch <= 0 or len(gathers) < 2:
         return gm
     rank_dependent = rank_dependent_nodes(graph, groups)
-    # where each bucket's compute starts: the first user of its copy-out group
-    starts = [_first_outside_user(_tail(g.wait, _COPY_OUT)) for g in gathers]
+    starts = [_compute_start(g) for g in gathers]
     hoisted = refused = 0
     for i in range(1, len(gathers)):
         group = _issue_group(gathers[i])
@@ -231,17 +230,17 @@ def gathers_before_reduces_pass(gm: fx.GraphModule, groups: set[str]) -> fx.Grap
     """Each reduce-scatter issued after the all-gathers on its group that come before the
     next bucket's compute starts ([Note: a gather never queues behind a reduce])."""
     graph = gm.graph
+    reduces = find_reduces(graph, groups)
+    if not reduces:
+        return gm  # (a forward graph)
     gathers = [g for g in find_gathers(graph, groups) if _used(g)]
-    starts = in_graph_order({_first_outside_user(_tail(g.wait, _COPY_OUT)) for g in gathers})
+    starts = in_graph_order({_compute_start(g) for g in gathers})
     moved = 0
-    for reduce in find_reduces(graph, groups):
+    for reduce in reduces:
         start = next((s for s in starts if s > reduce.node), None)
         if start is None or reduce.wait < start:
             continue
-        behind = [
-            g for g in gathers if reduce.node < g.node < start and g.group_name == reduce.group_name
-        ]
-        if behind:
+        if any(reduce.node < g.node < start and g.group_name == reduce.group_name for g in gathers):
             move_before([reduce.node], start)
             moved += 1
     graph.lint()
@@ -254,6 +253,11 @@ def _used(gather) -> bool:
     """Whether anything outside the gather's copy-out reads it (a graph output counts)."""
     tail = _tail(gather.wait, _COPY_OUT)
     return any(u not in tail for n in tail for u in n.users)
+
+
+def _compute_start(gather) -> fx.Node:
+    """Where a gathered bucket's compute starts: the first user of its copy-out group."""
+    return _first_outside_user(_tail(gather.wait, _COPY_OUT))
 
 
 def one_in_flight_pass(gm: fx.GraphModule, groups: set[str]) -> fx.GraphModule:
