@@ -31,13 +31,11 @@ import logging
 from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
-import torch.utils.checkpoint
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from fczero.comm import collectives, consistency
 from fczero.core.spec import eager_local, local_shard
 from fczero.core.state import EagerForward, GatherOrder
-from fczero.runtime import eager_buckets, resharding
+from fczero.runtime import eager_buckets, recompute, resharding
 
 if TYPE_CHECKING:
     from fczero.core.spec import ShardSpec
@@ -48,9 +46,6 @@ logger = logging.getLogger("fczero")
 # One recorded gather: the param's spec, the param, and whether it ran inside a
 # selective-checkpoint region (then it is never prefetched; see the module docstring).
 Recorded = tuple["ShardSpec", torch.Tensor, bool]
-
-# The dispatch mode a selective-checkpoint region's forward runs under (torch-private).
-_SAC_FORWARD_MODE = getattr(torch.utils.checkpoint, "_CachingTorchDispatchMode", None)
 
 
 class _Member(NamedTuple):
@@ -84,7 +79,7 @@ class EagerPrefetch(GatherOrder):
     def gather(self, spec: ShardSpec, param: torch.Tensor, context: EagerContext) -> torch.Tensor:
         n = self._cursor
         self._cursor += 1
-        in_place = _in_selective_checkpoint()
+        in_place = recompute.in_selective_checkpoint()
         self._record(n, spec, param, in_place)
         if in_place or not self._replaying:
             return context.gather_now(spec, param)
@@ -176,16 +171,6 @@ class EagerPrefetch(GatherOrder):
             else:
                 collectives.settle(ready)
         self._ready, self._seen, self._replaying = {}, None, False
-
-
-def _in_selective_checkpoint() -> bool:
-    """True inside the forward of a selective activation-checkpointing region (the
-    dispatch-mode stack is read only when it is not empty, as it is in most forwards)."""
-    if _SAC_FORWARD_MODE is None or not torch._C._len_torch_dispatch_stack():
-        return False
-    return any(
-        isinstance(mode, _SAC_FORWARD_MODE) for mode in _get_current_dispatch_mode_stack()
-    )
 
 
 class EagerContext(EagerForward):

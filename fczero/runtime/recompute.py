@@ -21,9 +21,11 @@ spent, on every rank alike.
 
 The bucket keeps its autograd node, whose backward reduce-scatters the unit's grads: under
 a non-reentrant checkpoint the recompute's graph is never differentiated and the node
-never runs; under a reentrant one it is, and the grads come back through it. Under a
-dispatch mode (selective checkpointing compares the ops a recompute runs with those its
-forward ran) the unit gathers param by param, as its forward did.
+never runs; under a reentrant one it is, and the grads come back through it. Inside a
+selective checkpoint (its dispatch mode compares the ops a recompute runs with those its
+forward ran) the unit gathers param by param, as its forward did. Under any other dispatch
+mode (``FlopCounterMode``, ``fczero.testing.CollectiveLog``) it regathers as it would
+without one, so a tool that watches a step sees the collectives the step issues.
 """
 
 from __future__ import annotations
@@ -33,10 +35,22 @@ import weakref
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from fczero.core.state import ParamState, RootState
 from fczero.runtime import eager_buckets
+
+# The dispatch modes of a selective-checkpoint region (torch-private): its forward records
+# the ops under the first, its recompute replays them under the second.
+_SAC_MODES = tuple(
+    mode
+    for mode in (
+        getattr(torch.utils.checkpoint, "_CachingTorchDispatchMode", None),
+        getattr(torch.utils.checkpoint, "_CachedTorchDispatchMode", None),
+    )
+    if mode is not None
+)
 
 #: root -> (a weak reference to the unit, its regather issued ahead), only while a
 #: backward runs ([Note: regathers for a recompute]): empty again when it ends, so no step
@@ -55,7 +69,7 @@ def regather(unit: Any) -> list[torch.Tensor] | None:
     """The gathered params of ``unit`` (a ``fczero.runtime.units.Unit``) that backward
     recomputes now, from one bucket, prefetched where it could be; None where the unit
     gathers param by param (see the note)."""
-    if not _bucketable(unit.states) or _get_current_dispatch_mode_stack():
+    if not _bucketable(unit.states) or in_selective_checkpoint():
         return None
     root = unit.states[0].root
     ahead = _AHEAD.pop(root, None)
@@ -72,6 +86,16 @@ def regather(unit: Any) -> list[torch.Tensor] | None:
             functools.partial(_drop, root)
         )
     return [bucket.member(k) for k in range(len(unit.states))]
+
+
+def in_selective_checkpoint() -> bool:
+    """True inside a selective activation-checkpointing region, in its forward or its
+    recompute. The dispatch-mode stack is read only when it is not empty, as in most steps;
+    on a torch without the region's mode classes any dispatch mode counts as one."""
+    if not torch._C._len_torch_dispatch_stack():
+        return False
+    stack = _get_current_dispatch_mode_stack()
+    return any(isinstance(mode, _SAC_MODES) for mode in stack) if _SAC_MODES else bool(stack)
 
 
 def ahead_of(root: RootState) -> eager_buckets.Bucket | None:

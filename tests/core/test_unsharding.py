@@ -497,12 +497,14 @@ def test_auto_on_cuda_reads_the_allocator_peak():
     tight = run_on_ranks(_auto_on_cuda, ranks, 2**20, backend="nccl")
     everything = sorted(f"blocks.{i}.{n}" for i in range(3) for n in ("weight", "bias"))
     for regathers, kept, blocks, source, peak in roomy:
-        assert regathers == [4, 4, 0, 0], source
+        # two steps of pure stage 3, then every param kept; the calls the first two make
+        # depend on the ranks (4 a step on 2 GPUs, 7 on one H200, torch 2.11)
+        assert regathers[0] == regathers[1] > 0 and regathers[2:] == [0, 0], source
         assert kept == sorted([*everything, "head.weight"])
         assert blocks == ("blocks.0", "blocks.1", "blocks.2", "head")
         assert 2**20 < peak < 2**32  # what the plan read: a real, plausible peak
     for regathers, kept, blocks, source, _ in tight:
-        assert regathers == [4, 4, 4, 4] and kept == [] and blocks == (), source
+        assert regathers == [roomy[0][0][0]] * 4 and kept == [] and blocks == (), source
 
 
 class TiedEnds(torch.nn.Module):

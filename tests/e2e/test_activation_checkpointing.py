@@ -113,12 +113,14 @@ def _count_gathers(rank: int, world_size: int, mode: str, reshard: bool):
 GATHER_CASES = {
     # stage 3 without AC: each unit (the two blocks, the head) with a weight that a matmul
     # saves for an input grad, regathered whole, one bucket per unit: a bucket never spans
-    # two units (fczero/runtime/eager_buckets.py; the recompute's gathers below are not
-    # bucketed)
+    # two units (fczero/runtime/eager_buckets.py)
     ("none", True): 3,
-    ("full", True): BLOCK_PARAMS + 1,  # recompute regathers each block param, + head weight
-    ("selective", True): BLOCK_PARAMS + 1,  # the policy saves matmuls, not gathers
-    ("full", False): BLOCK_PARAMS,  # no reshard: the head keeps its weight; blocks regather
+    # a full recompute regathers each block as one bucket (fczero/runtime/recompute.py),
+    # also under CollectiveLog's dispatch mode; + the head's weight
+    ("full", True): 3,
+    # a selective region's recompute gathers param by param, as its forward did
+    ("selective", True): BLOCK_PARAMS + 1,
+    ("full", False): 2,  # no reshard: the head keeps its weight; each block one bucket
 }
 
 

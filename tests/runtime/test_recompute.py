@@ -5,13 +5,18 @@ same models with the one-process reference: tests/e2e/test_numerics.py (gqa-full
 
 from __future__ import annotations
 
+import contextlib
+
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.flop_counter import FlopCounterMode
 
 import fczero
 from fczero.comm import collectives
 from fczero.models import Llama, LlamaConfig
 from fczero.runtime import recompute
+from fczero.testing.comm import CollectiveLog
 
 CHECKPOINTED = LlamaConfig(
     vocab_size=64, dim=32, n_layers=4, n_heads=2, ffn_dim=40, checkpointing="full"
@@ -19,10 +24,13 @@ CHECKPOINTED = LlamaConfig(
 PARAMS_PER_BLOCK = 9  # two norms, four attention projections, three feed-forward ones
 
 
-def _backward_events(monkeypatch, **options) -> tuple[Llama, list[tuple[str, int]]]:
-    """Train two steps of a checkpointed Llama; the second backward's events, in order:
-    ``("recompute", i)`` when block i's recompute begins, ``("gather", elements)`` for each
-    all-gather issued (a bucket's coalesced one counts once, with its members' elements)."""
+def _backward_events(
+    monkeypatch, mode=contextlib.nullcontext, **options
+) -> tuple[Llama, list[tuple[str, int]]]:
+    """Train two steps of a checkpointed Llama, each under ``mode()``; the second backward's
+    events, in order: ``("recompute", i)`` when block i's recompute begins, ``("gather",
+    elements)`` for each all-gather issued (a bucket's coalesced one counts once, with its
+    members' elements)."""
     torch.manual_seed(0)
     model = fczero.parallelize(Llama(CHECKPOINTED), init_device_mesh("cpu", (2,)), **options)
     events: list[tuple[str, int]] = []
@@ -49,7 +57,8 @@ def _backward_events(monkeypatch, **options) -> tuple[Llama, list[tuple[str, int
         )
     for _ in range(2):
         events.clear()
-        model(torch.randint(0, 64, (2, 8))).float().pow(2).mean().backward()
+        with mode():
+            model(torch.randint(0, 64, (2, 8))).float().pow(2).mean().backward()
     return model, events
 
 
@@ -80,4 +89,20 @@ def test_by_default_the_head_stays_gathered_and_the_blocks_regather_ahead(fake_p
     the last half of the blocks on 2 ranks). A checkpointed block saves none of its params,
     so backward's recompute gathers it again all the same, one bucket, a block ahead."""
     model, events = _backward_events(monkeypatch)
+    assert _named(model, events) == BLOCKS_IN_BACKWARD
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [lambda: FlopCounterMode(display=False), CollectiveLog],
+    ids=["FlopCounterMode", "CollectiveLog"],
+)
+def test_a_dispatch_mode_around_the_step_leaves_the_regathers_as_they_are(
+    fake_pg, monkeypatch, mode
+):
+    """A tool that watches a step through a dispatch mode sees the regathers the step makes
+    without one: only a selective checkpoint's own modes send a recompute param by param
+    (under any mode, the recompute used to gather its 9 params one by one, each waited for
+    at once)."""
+    model, events = _backward_events(monkeypatch, mode)
     assert _named(model, events) == BLOCKS_IN_BACKWARD
