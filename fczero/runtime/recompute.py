@@ -24,7 +24,7 @@ a non-reentrant checkpoint the recompute's graph is never differentiated and the
 never runs; under a reentrant one it is, and the grads come back through it. Inside a
 selective checkpoint (its dispatch mode compares the ops a recompute runs with those its
 forward ran) the unit gathers param by param, as its forward did. Under any other dispatch
-mode (``FlopCounterMode``, ``fczero.testing.CollectiveLog``) it regathers as it would
+mode (``FlopCounterMode``, ``fczero.testing.comm.CollectiveLog``) it regathers as it would
 without one, so a tool that watches a step sees the collectives the step issues.
 """
 
