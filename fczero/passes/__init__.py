@@ -50,10 +50,14 @@ from fczero.passes.touched_rows import look_up_touched_rows_pass, reduce_touched
 __all__ = ["PassSettings", "run_passes"]
 
 
-def run_passes(gm: fx.GraphModule, settings: PassSettings | None = None) -> fx.GraphModule:
+def run_passes(
+    gm: fx.GraphModule, settings: PassSettings | None = None, *, recompile: bool = True
+) -> fx.GraphModule:
     """Apply every fczero pass to ``gm`` (a post-grad forward or backward graph); the time
-    it takes is added to ``timing.total()`` (read by ``bench.compile_time``)."""
-    with timing.timed(), one_recompile(gm):  # [Note: one recompile per graph]
+    it takes is added to ``timing.total()`` (read by ``bench.compile_time``). With
+    ``recompile=False`` the graph is left for the caller to regenerate ``gm``'s code, as
+    Inductor's post-grad hook does after its own passes ([Note: one recompile per graph])."""
+    with timing.timed(), one_recompile(gm, at_end=recompile):
         return _run_passes(gm, settings)
 
 

@@ -44,7 +44,8 @@ class FczeroPostGradPass(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         for user_pass in self.before:
             user_pass(graph)
-        run_passes(graph.owning_module)
+        # Inductor regenerates the module's code once its post-grad passes are done
+        run_passes(graph.owning_module, recompile=False)
 
     def uuid(self) -> bytes | None:
         parts = []

@@ -35,6 +35,19 @@ class RunPassesTest(ThreeBlocksGraphs):
         self.assertEqual(len(calls), 1)
         self.assertIn("all_gather_into_tensor_out", fw.code)  # the last passes' nodes
 
+    def test_under_inductors_hook_the_code_is_left_to_inductor(self):
+        """``recompile=False`` (what the installed hook passes): the graph is rewritten and
+        its code is not regenerated, since Inductor regenerates it after its own passes."""
+        fw, _ = self.graphs()
+        calls = []
+        real = fw.recompile
+        fw.recompile = lambda: calls.append(1) or real()
+        run_passes(fw, settings(), recompile=False)
+        self.assertEqual(calls, [])
+        self.assertNotIn("all_gather_into_tensor_out", fw.code)
+        ops = {getattr(n.target, "__name__", "") for n in fw.graph.nodes}
+        self.assertIn("all_gather_into_tensor_out.default", ops)
+
     @same_torch
     def test_snapshot_three_blocks_after_passes(self):
         fw, bw = self.graphs()
