@@ -174,8 +174,9 @@ def recompile(gm: fx.GraphModule) -> None:
     passes' 2.2 s; ``run_passes`` now regenerates it once, and only if a pass changed it.
     Under Inductor it does not at all: Inductor's post-grad passes end by regenerating the
     code themselves, and the hook (``fczero.passes.install``) asks for ``recompile=False``.
-    On the graphs of fczero's 28-block checkpointed Llama (2,964 and 7,163 nodes; CPU, one
-    core free) that took the passes from 2.52-3.01 s to 1.72-2.33 s (four rounds each)."""
+    On the graphs of fczero's 28-block checkpointed Llama (2,964 and 7,163 nodes; 2-core
+    CPU, a test run on the other core) that took the passes from 2.52-3.01 s to 1.72-2.33 s
+    (four alternating rounds each)."""
     if id(gm) in _RECOMPILED_AT_END:
         _RECOMPILED_AT_END[id(gm)] = True
     else:
