@@ -242,6 +242,10 @@ def _train(rank: int, world: int) -> dict[tuple[str, str], parity.Trace]:
     runs = [(name, mode) for name in MODELS for mode in MODES]
     blocks = functools.partial(compile_blocks, backend="aot_eager")
     for name, mode in runs + [(name, "whole") for name in CHECKPOINTED]:
+        # each run compiles a new model with a new backend: without a reset the frames the
+        # runs share (fczero's root hooks, transformers' checkpointed layer) reach Dynamo's
+        # recompile limit after eight runs and the rest would run them eagerly, uncompiled
+        torch._dynamo.reset()
         graphs: list = []
         out[name, mode] = parity.train_parallel(
             rank, world, ALL_MODELS[name], _batches(), parity.cross_entropy,
@@ -277,7 +281,14 @@ def test_gpt2_bert_albert_and_bart_blocks_are_units():
 
 @pytest.fixture(scope="module")
 def traces():
-    return run_on_ranks(_train, 2)[0]
+    return run_on_ranks(_strict_train, 2)[0]
+
+
+def _strict_train(rank: int, world: int) -> dict[tuple[str, str], parity.Trace]:
+    """``_train``, where a frame that reaches Dynamo's recompile limit fails the run instead
+    of running uncompiled."""
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        return _train(rank, world)
 
 
 def _opt_traces_its_layers() -> bool:
