@@ -170,6 +170,16 @@ class ReshardScope:
             for entry in mates:
                 entry.mates = mates
 
+    # [Note: Dynamo stays out of the hooks]
+    # Autograd calls ``pack`` from C++ wherever a tensor is saved. Where that happens in code
+    # that runs eagerly inside a compiled call (a block compiled by ``compile_blocks`` whose
+    # frame Dynamo gave up on, or a function disabled for that frame only), Dynamo's frame
+    # hook is still active and compiled ``pack`` itself: it broke its graph at the storage
+    # lookup, and on torch 2.11 the code after the break was compiled again at every saved
+    # tensor (its guard held a tensor that died) until Dynamo's recompile limit, warning each
+    # time (Hugging Face's Mixtral with its experts' loop, each block compiled). The hooks are
+    # bookkeeping with no tensor math worth a graph, so both always run eagerly.
+    @torch.compiler.disable
     def pack(self, t: torch.Tensor) -> Any:
         inner = t
         if type(t) is not torch.Tensor:  # (most saved tensors are: activations, params)
@@ -200,6 +210,7 @@ class ReshardScope:
             self._unissued = None  # planned again over the longer list
         return _Recipe(entry, inner.size(), inner.stride(), inner.storage_offset())
 
+    @torch.compiler.disable  # ([Note: Dynamo stays out of the hooks])
     def unpack(self, packed: Any) -> torch.Tensor:
         kind = type(packed)
         if kind is _Recipe:

@@ -97,3 +97,50 @@ def test_packing_makes_no_python_storage_per_saved_tensor(fake_pg):
     out = model(x)  # saves each block's input, its tanh output and its weight, until backward
     assert storages() - before <= 1
     out.sum().backward()
+
+
+@torch.compiler.disable(recursive=False)
+def _runs_eagerly_in_a_compiled_call(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Run without Dynamo in this frame only, as a frame Dynamo gave up on runs: the calls
+    it makes are still compiled."""
+    return torch.relu(block.linear(x) * x)
+
+
+class _PartlyEagerBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _runs_eagerly_in_a_compiled_call(self, x)
+
+
+def test_dynamo_never_compiles_the_reshard_hooks(gloo_one_rank, monkeypatch):
+    """Each block compiled, its body run eagerly inside the compiled call: the saved-tensor
+    hooks of the root's eager forward are called there with Dynamo's frame hook active, and
+    run as plain Python ([Note: Dynamo stays out of the hooks]); the grads are the plain
+    model's."""
+    from torch._dynamo import convert_frame
+
+    compiled = []
+    real_compile = convert_frame._compile
+
+    def recording(code, *args, **kwargs):
+        compiled.append(code.co_name)
+        return real_compile(code, *args, **kwargs)
+
+    monkeypatch.setattr(convert_frame, "_compile", recording)
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(_PartlyEagerBlock(), _PartlyEagerBlock())
+    model = torch.nn.Sequential(_PartlyEagerBlock(), _PartlyEagerBlock())
+    model.load_state_dict(plain.state_dict())
+    fczero.parallelize(model, init_device_mesh("cpu", (1,)))
+    fczero.compile_blocks(model, backend="eager")
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        model(x).sum().backward()
+        plain(x).sum().backward()
+    assert compiled, "no block was compiled"
+    assert not [name for name in compiled if "pack" in name], compiled
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
