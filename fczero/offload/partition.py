@@ -22,10 +22,15 @@ from torch._inductor import config as inductor_config
 from fczero.core import streams
 from fczero.offload.activations import offload_activations
 from fczero.passes import registry
-from fczero.passes.install import code_hash
+from fczero.passes import regions, size_only_gathers
+from fczero.passes.install import code_hash, code_hash_of
 from fczero.passes.regions import reroute_region_views_pass
+from fczero.passes.size_only_gathers import drop_size_only_gathers
 
 logger = logging.getLogger("fczero")
+
+#: Modules of ``fczero/passes`` whose rewrites this hook applies (part of its ``uuid``).
+_REWRITES = (regions, size_only_gathers)
 
 
 def partition(gm: fx.GraphModule, joint_inputs, *, base=None, **kwargs):
@@ -37,6 +42,7 @@ def partition(gm: fx.GraphModule, joint_inputs, *, base=None, **kwargs):
     settings = registry.settings_for_graph(fw.graph)
     if settings is None:
         return fw, bw  # not a graph of fczero's
+    drop_size_only_gathers(bw)  # ([Note: a gather read for its size])
     plan = offload_activations(
         fw,
         bw,
@@ -109,8 +115,14 @@ if CustomPartitionerFn is not None:
                 if uuid is None:
                     return None
                 parts = repr(uuid).encode()
+            rewrites = b"".join(  # the passes' modules that this hook runs itself
+                code_hash_of(Path(module.__file__)).encode() for module in _REWRITES
+            )
             return hashlib.sha256(
-                code_hash(Path(__file__).parent) + parts + repr(registry.snapshot()).encode()
+                code_hash(Path(__file__).parent)
+                + rewrites
+                + parts
+                + repr(registry.snapshot()).encode()
             ).digest()
 
 

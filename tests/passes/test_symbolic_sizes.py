@@ -25,13 +25,17 @@ FP32 = {"rtol": 1e-4, "atol": 1e-5}
 class GruLM(nn.Module):
     """A GRU between an embedding and a head: Dynamo runs ``nn.GRU`` outside its graph, so
     the gather of its unit is a frame of its own, compiled again with symbolic sizes once
-    it has seen params of two shapes."""
+    it has seen params of two shapes. With an odd vocabulary the tables are padded at 2
+    ranks: the backward of a gather's slice reads the gathered size, which the partitioner
+    took from an all-gather issued again and never waited ([Note: a gather read for its
+    size] in ``fczero/passes/size_only_gathers.py``; ``run_on_ranks`` fails a rank that
+    leaves one unwaited)."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = 64) -> None:
         super().__init__()
-        self.embed = nn.Embedding(64, 32)
+        self.embed = nn.Embedding(vocab, 32)
         self.gru = nn.GRU(32, 32, num_layers=2, batch_first=True)
-        self.head = nn.Linear(32, 64)
+        self.head = nn.Linear(32, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.gru(self.embed(tokens))[0])
@@ -47,6 +51,10 @@ def _two_lengths() -> list:
 
 CASES = {
     "gru": (GruLM, functools.partial(token_batches, steps=3, batch=4, seq=8)),
+    "gru-padded": (
+        functools.partial(GruLM, 1021),
+        functools.partial(token_batches, steps=3, batch=4, seq=8, vocab=1021),
+    ),
     "two-lengths": (functools.partial(tiny_gqa, "full", vocab=WIDE_VOCAB), _two_lengths),
 }
 
