@@ -176,8 +176,8 @@ class ReshardScope:
     # frame Dynamo gave up on, or a function disabled for that frame only), Dynamo's frame
     # hook is still active and compiled ``pack`` itself: it broke its graph at the storage
     # lookup, and on torch 2.11 the code after the break was compiled again at every saved
-    # tensor (its guard held a tensor that died) until Dynamo's recompile limit, warning each
-    # time (Hugging Face's Mixtral with its experts' loop, each block compiled). The hooks are
+    # tensor (its guard held a tensor that died) until Dynamo's recompile limit, which warns
+    # (Hugging Face's Mixtral with its experts' loop, each block compiled). The hooks are
     # bookkeeping with no tensor math worth a graph, so both always run eagerly.
     @torch.compiler.disable
     def pack(self, t: torch.Tensor) -> Any:
