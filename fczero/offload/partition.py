@@ -22,15 +22,11 @@ from torch._inductor import config as inductor_config
 from fczero.core import streams
 from fczero.offload.activations import offload_activations
 from fczero.passes import registry
-from fczero.passes import regions, size_only_gathers
-from fczero.passes.install import code_hash, code_hash_of
+from fczero.passes.install import code_hash
 from fczero.passes.regions import reroute_region_views_pass
 from fczero.passes.size_only_gathers import drop_size_only_gathers
 
 logger = logging.getLogger("fczero")
-
-#: Modules of ``fczero/passes`` whose rewrites this hook applies (part of its ``uuid``).
-_REWRITES = (regions, size_only_gathers)
 
 
 def partition(gm: fx.GraphModule, joint_inputs, *, base=None, **kwargs):
@@ -115,15 +111,9 @@ if CustomPartitionerFn is not None:
                 if uuid is None:
                     return None
                 parts = repr(uuid).encode()
-            rewrites = b"".join(  # the passes' modules that this hook runs itself
-                code_hash_of(Path(module.__file__)).encode() for module in _REWRITES
-            )
-            return hashlib.sha256(
-                code_hash(Path(__file__).parent)
-                + rewrites
-                + parts
-                + repr(registry.snapshot()).encode()
-            ).digest()
+            # this folder's code and the passes' (it runs two of their rewrites itself)
+            code = code_hash(Path(__file__).parent, Path(registry.__file__).parent)
+            return hashlib.sha256(code + parts + repr(registry.snapshot()).encode()).digest()
 
 
 def install(required: bool) -> None:

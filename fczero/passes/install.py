@@ -62,11 +62,11 @@ class FczeroPostGradPass(CustomGraphPass):
 _SHARED_SOURCES = ("comm/graph_ops.py", "core/memory.py")
 
 
-def code_hash(folder: Path) -> bytes:
-    """A hash of the code behind a graph hook: ``folder``'s modules and the shared ones
-    (part of its ``uuid``, so Inductor's FX graph cache misses when that code changes)."""
+def code_hash(*folders: Path) -> bytes:
+    """A hash of the code behind a graph hook: the modules of ``folders`` and the shared
+    ones (part of its ``uuid``, so Inductor's FX graph cache misses when that code changes)."""
     package = Path(__file__).parent.parent
-    files = sorted(str(p) for p in folder.glob("*.py"))
+    files = sorted(str(p) for folder in folders for p in folder.glob("*.py"))
     files += [str(package / name) for name in _SHARED_SOURCES]
     return get_hash_for_files(tuple(files))
 
