@@ -27,6 +27,18 @@ Backward walks the autograd graph in the same order on every rank, and the prefe
 decisions use only that order and global shapes, so the regathers are issued in the
 same order everywhere.
 
+[Note: decided by structure]
+Whether a tensor is still alive is not the same on every rank: a process group's own
+threads may refer to a collective's tensors for a moment after it was waited (gloo's
+worker thread lets go of its finished work when it gets to it), and torch keeps a
+tensor's Python object alive while C++ refers to it. So no decision that issues a
+collective reads liveness. A unit's params are
+listed whether or not their gathers are still alive (on 2 gloo ranks under load, a mate
+freed on one rank and still referenced on the other was listed on one rank only, which
+then regathered it alone and gloo aborted on the mismatched sizes), and a regathered
+param is reused only by later unpacks in the autograd node that regathered it (which
+holds it while it runs); the next node regathers.
+
 Units ([Note: units] in ``fczero.runtime.units``) make this hold when the params a rank
 saves depend on its data (experts without tokens save nothing). A unit's params are
 marked as mates (``group``); when one of them is first saved, all are listed, in the
@@ -116,7 +128,8 @@ class ReshardScope:
         self._plan: tuple[dict[int, list[int]], list[int]] = ({}, [])
         self._planned = -1  # len(saved) when _plan was made
         self.live: dict[int, _Gathered] = {}
-        self.regathered: dict[int, weakref.ref[torch.Tensor]] = {}
+        # id(_Gathered) -> (the autograd node that last regathered it, that regather)
+        self.regathered: dict[int, tuple[Any, weakref.ref[torch.Tensor]]] = {}
         self.saved: list[_Gathered] = []  # packed params, in the order first saved
         self.position: dict[int, int] = {}  # id(_Gathered) -> index in ``saved``
         # prefetched regathers not unpacked yet: id(_Gathered) -> (that entry, its gather)
@@ -203,8 +216,9 @@ class ReshardScope:
         if entry.storage.expired():
             return None
         if id(entry) not in self.position:
-            for listed in entry.mates or (entry,):  # a unit: all its params, in order
-                if id(listed) not in self.position and not listed.storage.expired():
+            # a unit: all its params, in order, alive or not ([Note: decided by structure])
+            for listed in entry.mates or (entry,):
+                if id(listed) not in self.position:
                     self.position[id(listed)] = len(self.saved)
                     self.saved.append(listed)
             self._unissued = None  # planned again over the longer list
@@ -234,10 +248,11 @@ class ReshardScope:
         if entry.mates is not None:
             position = self._reach_unit(entry)
             full = self.held.get(key)
-        else:
+        else:  # reused only within the node that regathered it ([Note: decided by structure])
             position = self.position[key]
-            ref = self.regathered.get(key)
-            full = ref() if ref is not None else None
+            node = torch._C._current_autograd_node()
+            last = self.regathered.get(key)
+            full = last[1]() if last is not None and node is not None and last[0] is node else None
         if full is None:
             prefetched = self.ahead.pop(key, None)
             if prefetched is not None and entry.mates is None:
@@ -245,7 +260,7 @@ class ReshardScope:
             pending = prefetched[1] if prefetched else self._issue(self.position[key])
             full = self._finish(entry, pending)
             if entry.mates is None:
-                self.regathered[key] = weakref.ref(full)
+                self.regathered[key] = (node, weakref.ref(full))
             else:  # held while backward is in this unit: a param read twice is regathered once
                 self.held[key] = full
         self._issue_ahead(position)
@@ -367,6 +382,7 @@ class ReshardScope:
         self.reached, self.counted = set(), set()
         self.current_unit, self.held = None, {}
         self._unissued = None
+        self.regathered = {}
 
 
 class RegatherPlans:
