@@ -328,6 +328,11 @@ class Unit:
     # the unit whose forward began just before this one's in the last eager forward, held
     # weakly (backward prefetches its regather: [Note: regathers for a recompute])
     previous: weakref.ref[Unit] | None = None
+    # params of other units that its modules read too (a weight tied across blocks), and
+    # those of them it gathered for its compiled body while it runs ([Note: a tied param
+    # in a block compiled alone] in ``fczero.runtime.units``)
+    foreign: list[ParamState] = field(default_factory=list)
+    borrowed: list[tuple[ParamState, torch.Tensor]] = field(default_factory=list)
 
 
 class GatherOrder:

@@ -177,8 +177,11 @@ def build_units(model: nn.Module, paths: list[str], states: dict[int, ParamState
             if state is None:
                 continue
             if id(param) in taken:
-                if state.unit is not by_path[owner]:
+                reader = by_path[owner]
+                if state.unit is not reader:
                     state.read_outside_unit = True  # ([Note: a param that two units read])
+                    if state not in reader.foreign:
+                        reader.foreign.append(state)
                 continue
             taken.add(id(param))
             by_path[owner].states.append(state)
@@ -304,6 +307,8 @@ def _unit_forward(forward):
         _enter(unit)
         try:
             if body is not None:
+                if unit.foreign:
+                    _borrow(unit)
                 return body(self, *args, **kwargs)
             if reuse:
                 fulls = tuple(state.current for state in unit.states)
@@ -434,6 +439,36 @@ def _enter(unit: Unit) -> None:
     _allow_side_effects(_hold, unit, fulls)
 
 
+def _borrow(unit: Unit) -> None:
+    """Before a body compiled alone runs: gather each param of another unit that it reads
+    and no forward holds now, and hold it while the unit runs.
+
+    [Note: a tied param in a block compiled alone]
+    A block's compiled body reads each param as the gathered tensor ``state.current``
+    holds, and Dynamo guards on what it found there. A weight tied across blocks belongs
+    to the first block; a later block finds it held by the running forward ([Note: a param
+    that two units read]) and its graph takes it as an input. When backward recomputes
+    that block (activation checkpointing), no forward holds it: the guard failed, Dynamo
+    traced the block again with the gather inside, the recompute saved other tensors than
+    the forward, and the checkpoint raised (CheckpointError, 2 gloo ranks). So a unit with
+    such params gathers the ones nobody holds when its body is about to run, in forward
+    (with autograd, as a read outside its unit gathers) and in a recompute (without), and
+    the body always finds them there. Which params these are follows from the model's
+    structure and the order its units run in, the same on every rank."""
+    backward = recompute.in_backward()
+    for state in unit.foreign:
+        if state.current is not None:
+            continue
+        if backward:  # (a recompute's graph is never differentiated)
+            with torch.no_grad():
+                full = unsharded_param(state, state.param, False)
+            full = full.detach().requires_grad_(state.param.requires_grad)
+        else:
+            full = unsharded_param(state, state.param, False)
+        state.current = full
+        unit.borrowed.append((state, full))
+
+
 def _gathered_traced(unit: Unit) -> list[torch.Tensor]:
     """The unit's params gathered as a compiled graph traces them."""
     return [unsharded_param(s, s.leaf, True) for s in unit.states]
@@ -479,6 +514,11 @@ def _release(unit: Unit) -> None:
                 context.held.append(state)
             else:
                 state.current = None
+        if unit.borrowed:  # (never under compile: only bodies compiled alone borrow)
+            for state, full in unit.borrowed:
+                if state.current is full:
+                    state.current = None
+            unit.borrowed.clear()
 
 
 class _Together(torch.autograd.Function):

@@ -7,17 +7,22 @@ tests/e2e/test_gpu.py (NCCL), tests/e2e/test_hf_llama.py (Hugging Face's checkpo
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
 import torch
 import torch._dynamo.testing
+import torch.utils.checkpoint
 from torch.distributed.device_mesh import init_device_mesh
 
 import fczero
 from fczero.models import Llama, LlamaConfig
+from fczero.testing import parity
 from fczero.testing.backends import recording
+from fczero.testing.distributed import run_on_ranks
 from fczero.testing.graphs import collective_sequence
+from tests.cases import FP32
 
 FOUR_BLOCKS = LlamaConfig(vocab_size=64, dim=32, n_layers=4, n_heads=2, ffn_dim=40)
 
@@ -215,3 +220,42 @@ def test_compile_blocks_takes_a_lone_block_and_leaves_a_sequentials_odd_members(
     two_tables.layers = Llama(FOUR_BLOCKS).layers[:2]
     fczero.parallelize(two_tables, init_device_mesh("cpu", (2,)))
     assert fczero.compile_blocks(two_tables, backend="eager") == ["layers.0", "layers.1"]
+
+
+class _TiedAcrossBlocks(torch.nn.Module):
+    """Three checkpointed blocks, the third's weight tied to the second's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+        self.blocks[2].weight = self.blocks[1].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(_tanh_of, block, x, use_reentrant=False)
+        return x
+
+
+def _tanh_of(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(block(x))
+
+
+def _tied_blocks_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)) for _ in range(3)]
+
+
+def _train_tied_blocks(rank: int, world: int) -> parity.Trace:
+    blocks = functools.partial(fczero.compile_blocks, backend="aot_eager")
+    return parity.train_parallel(
+        rank, world, _TiedAcrossBlocks, _tied_blocks_batches(), parity.mse, finish=blocks
+    )
+
+
+def test_a_weight_tied_across_checkpointed_blocks_compiled_alone_trains_like_one_process():
+    """[Note: a tied param in a block compiled alone]: backward recomputes the third block,
+    whose compiled body reads the second block's weight; nothing held it there, and the
+    recompute traced another graph (CheckpointError) before the unit gathered it itself."""
+    expected = parity.train_reference(_TiedAcrossBlocks, _tied_blocks_batches(), parity.mse)
+    for trace in run_on_ranks(_train_tied_blocks, 2):
+        parity.assert_close(trace, expected, **FP32)
