@@ -119,6 +119,8 @@ def test_blocks_run_uncompiled_under_a_selective_checkpoint_and_say_so_once(fake
     checkpoint, in forward and in the recompute: the blocks then run their plain forward
     (the compiled body raised a CheckpointError there on 4 x H200), with one warning; with
     full checkpointing the compiled body runs."""
+    if torch.cuda.is_available():  # (else the first compile, inside a checkpoint that keeps
+        torch.cuda.init()  # the RNG state, initializes CUDA there, which the checkpoint refuses)
     for mode, compiled_frames in (("selective", 0), ("full", 1)):
         model = _parallel_llama(LlamaConfig(**{**FOUR_BLOCKS.__dict__, "checkpointing": mode}))
         counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
@@ -231,8 +233,12 @@ class _TiedAcrossBlocks(torch.nn.Module):
         self.blocks[2].weight = self.blocks[1].weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (no RNG state to keep: on a machine with CUDA, torch.compile's first call inside
+        # the checkpoint initializes CUDA, which a checkpoint that keeps it refuses)
         for block in self.blocks:
-            x = torch.utils.checkpoint.checkpoint(_tanh_of, block, x, use_reentrant=False)
+            x = torch.utils.checkpoint.checkpoint(
+                _tanh_of, block, x, use_reentrant=False, preserve_rng_state=False
+            )
         return x
 
 
