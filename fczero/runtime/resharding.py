@@ -32,12 +32,11 @@ Whether a tensor is still alive is not the same on every rank: a process group's
 threads may refer to a collective's tensors for a moment after it was waited (gloo's
 worker thread lets go of its finished work when it gets to it), and torch keeps a
 tensor's Python object alive while C++ refers to it. So no decision that issues a
-collective reads liveness. A unit's params are
-listed whether or not their gathers are still alive (on 2 gloo ranks under load, a mate
-freed on one rank and still referenced on the other was listed on one rank only, which
-then regathered it alone and gloo aborted on the mismatched sizes), and a regathered
-param is reused only by later unpacks in the autograd node that regathered it (which
-holds it while it runs); the next node regathers.
+collective reads liveness. A unit's params are listed whether or not their gathers are
+still alive (on 2 gloo ranks under load, a mate freed on one rank and still referenced on
+the other was listed on one rank only, which then regathered it alone, and gloo aborted
+on the mismatched sizes), and a regathered param is reused only by later unpacks in the
+autograd node that regathered it (which holds it while it runs); the next node regathers.
 
 Units ([Note: units] in ``fczero.runtime.units``) make this hold when the params a rank
 saves depend on its data (experts without tokens save nothing). A unit's params are
