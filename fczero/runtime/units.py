@@ -64,7 +64,7 @@ from fczero.core.state import ATTR, ParamState, Unit, module_state
 from fczero.passes.install import keep_region_inputs
 from fczero.runtime import recompute
 from fczero.runtime.prefetch import running
-from fczero.runtime.wiring import unsharded_param
+from fczero.runtime.wiring import gathered_for_recompute, unsharded_param
 
 logger = logging.getLogger("fczero")
 
@@ -457,16 +457,13 @@ def _borrow(unit: Unit) -> None:
     structure and the order its units run in, the same on every rank."""
     backward = recompute.in_backward()
     for state in unit.foreign:
-        if state.current is not None:
-            continue
-        if backward:  # (a recompute's graph is never differentiated)
-            with torch.no_grad():
+        if state.current is None:
+            if backward:
+                full = gathered_for_recompute(state)
+            else:
                 full = unsharded_param(state, state.param, False)
-            full = full.detach().requires_grad_(state.param.requires_grad)
-        else:
-            full = unsharded_param(state, state.param, False)
-        state.current = full
-        unit.borrowed.append((state, full))
+            state.current = full
+            unit.borrowed.append((state, full))
 
 
 def _gathered_traced(unit: Unit) -> list[torch.Tensor]:

@@ -83,17 +83,23 @@ def gather_for_recompute(unit: Unit, state: ParamState) -> torch.Tensor:
     if held is not None and held is not unit:
         _release_recompute(root)
     if state.current is None:
-        with torch.no_grad(), _no_dispatch_modes():
-            fulls = [unsharded_param(s, s.param, compiling=False) for s in unit.states]
-        for s, full in zip(unit.states, fulls):
-            # requiring grad as in forward, so the region's ops save the same tensors
-            s.current = full.detach().requires_grad_(s.param.requires_grad)
+        for s in unit.states:
+            s.current = gathered_for_recompute(s)
         if root.recomputing is None:
             torch.autograd.Variable._execution_engine.queue_callback(
                 functools.partial(_release_recompute, root)
             )
         root.recomputing = unit
     return state.current
+
+
+def gathered_for_recompute(state: ParamState) -> torch.Tensor:
+    """``state``'s param gathered for a recompute in backward: without autograd (a
+    recompute's graph is never differentiated) and outside any dispatch mode, then marked
+    as requiring grad as its forward read was, so the region's ops save the same tensors."""
+    with torch.no_grad(), _no_dispatch_modes():
+        full = unsharded_param(state, state.param, compiling=False)
+    return full.detach().requires_grad_(state.param.requires_grad)
 
 
 def _release_recompute(root: RootState) -> None:
