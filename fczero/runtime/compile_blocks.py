@@ -9,7 +9,9 @@ cannot serve that way.
 A block here is a unit that is an element of a container (``layers.3``: an
 ``nn.ModuleList`` or ``nn.Sequential``) and whose class has other units in the model, or
 whose container holds units of its class only (a model of one layer): a decoder layer,
-an encoder's and a decoder's blocks. The other units (an embedding, a final norm, a head,
+an encoder's and a decoder's blocks. A parametrized module (``weight_norm``, a LoRA made
+with ``torch.nn.utils.parametrize``) counts as its original class: parametrize gives each
+such module a class of its own. The other units (an embedding, a final norm, a head,
 the root; an embedding first in an ``nn.Sequential`` of blocks) stay eager. A block
 inside another block (experts named as units inside layers) is compiled with the block
 around it, not on its own.
@@ -21,6 +23,7 @@ import collections
 import logging
 
 import torch.nn as nn
+from torch.nn.utils import parametrize
 
 from fczero.core.state import ATTR, Unit, is_parallelized
 
@@ -84,22 +87,33 @@ def _units_of(model: nn.Module) -> list[tuple[str, nn.Module, Unit]]:
 def _outermost_blocks(units: list[tuple[str, nn.Module, Unit]]) -> list[tuple[str, nn.Module]]:
     """(path, module) of each block among ``units`` (see the module docstring) that lies in
     no other block. Decided from the model's structure alone, the same on every rank."""
-    per_class = collections.Counter(unit.cls for _, _, unit in units)
+    kind = {path: _kind(module, unit) for path, module, unit in units}
+    per_class = collections.Counter(kind.values())
     classes_in: dict[str, set] = collections.defaultdict(set)  # container -> its units' classes
-    for path, _, unit in units:
+    for path, _, _ in units:
         container, _, index = path.rpartition(".")
         if index.isdigit():
-            classes_in[container].add(unit.cls)
+            classes_in[container].add(kind[path])
     blocks = []
-    for path, module, unit in units:
+    for path, module, _ in units:
         container, _, index = path.rpartition(".")
-        if index.isdigit() and (per_class[unit.cls] > 1 or len(classes_in[container]) == 1):
+        if index.isdigit() and (per_class[kind[path]] > 1 or len(classes_in[container]) == 1):
             blocks.append((path, module))
     return [
         (path, module)
         for path, module in blocks
         if not any(_inside(path, other) for other, _ in blocks)
     ]
+
+
+def _kind(module: nn.Module, unit: Unit) -> type | None:
+    """The class a unit counts as: its module's, or for a parametrized module the class it
+    had before: ``torch.nn.utils.parametrize`` subclasses it anew for every module, and the
+    classes fczero derives from that one keep its module name, so the first class up the
+    line defined elsewhere is the user's."""
+    if unit.cls is None or not parametrize.is_parametrized(module):
+        return unit.cls
+    return next(c for c in unit.cls.__mro__ if c.__module__ != parametrize.__name__)
 
 
 def _inside(path: str, other: str) -> bool:

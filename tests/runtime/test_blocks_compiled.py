@@ -265,3 +265,51 @@ def test_a_weight_tied_across_checkpointed_blocks_compiled_alone_trains_like_one
     expected = parity.train_reference(_TiedAcrossBlocks, _tied_blocks_batches(), parity.mse)
     for trace in run_on_ranks(_train_tied_blocks, 2):
         parity.assert_close(trace, expected, **FP32)
+
+
+class _ParametrizedBlocks(torch.nn.Module):
+    """Two linear blocks in a ModuleList, the first weight-normed, the second with a low-rank
+    update on its weight (a LoRA made with ``torch.nn.utils.parametrize``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+        torch.nn.utils.parametrizations.weight_norm(self.blocks[0])
+        torch.nn.utils.parametrize.register_parametrization(self.blocks[1], "weight", _LowRank())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+class _LowRank(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(4, 16) * 0.1)
+        self.b = torch.nn.Parameter(torch.randn(16, 4) * 0.1)
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight + self.b @ self.a
+
+
+def _train_parametrized_blocks(rank: int, world: int) -> tuple[list[str], parity.Trace]:
+    compiled: list[str] = []
+
+    def blocks(model: torch.nn.Module) -> None:
+        compiled.extend(fczero.compile_blocks(model, backend="aot_eager"))
+
+    trace = parity.train_parallel(
+        rank, world, _ParametrizedBlocks, _tied_blocks_batches(), parity.mse, finish=blocks
+    )
+    return compiled, trace
+
+
+def test_parametrized_blocks_are_blocks_and_train_like_one_process():
+    """``torch.nn.utils.parametrize`` gives each parametrized module a class of its own; the
+    blocks still count as blocks of their container (before, none did, and the refusal
+    named one class for two)."""
+    expected = parity.train_reference(_ParametrizedBlocks, _tied_blocks_batches(), parity.mse)
+    for compiled, trace in run_on_ranks(_train_parametrized_blocks, 2):
+        assert compiled == ["blocks.0", "blocks.1"]
+        parity.assert_close(trace, expected, **FP32)
