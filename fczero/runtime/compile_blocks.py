@@ -90,7 +90,7 @@ def _outermost_blocks(units: list[tuple[str, nn.Module, Unit]]) -> list[tuple[st
     kind = {path: _kind(module, unit) for path, module, unit in units}
     per_class = collections.Counter(kind.values())
     classes_in: dict[str, set] = collections.defaultdict(set)  # container -> its units' classes
-    for path, _, _ in units:
+    for path in kind:
         container, _, index = path.rpartition(".")
         if index.isdigit():
             classes_in[container].add(kind[path])

@@ -7,7 +7,6 @@ tests/e2e/test_gpu.py (NCCL), tests/e2e/test_hf_llama.py (Hugging Face's checkpo
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import pytest
@@ -246,24 +245,33 @@ def _tanh_of(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.tanh(block(x))
 
 
-def _tied_blocks_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _blocks_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(3)
     return [(torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)) for _ in range(3)]
 
 
-def _train_tied_blocks(rank: int, world: int) -> parity.Trace:
-    blocks = functools.partial(fczero.compile_blocks, backend="aot_eager")
-    return parity.train_parallel(
-        rank, world, _TiedAcrossBlocks, _tied_blocks_batches(), parity.mse, finish=blocks
+def _train_blocks_compiled(
+    rank: int, world: int, build: type[torch.nn.Module]
+) -> tuple[list[str], parity.Trace]:
+    """One rank trains ``build()`` with ``fczero.compile_blocks`` (aot_eager); the blocks it
+    compiled and the trace."""
+    compiled: list[str] = []
+
+    def blocks(model: torch.nn.Module) -> None:
+        compiled.extend(fczero.compile_blocks(model, backend="aot_eager"))
+
+    trace = parity.train_parallel(
+        rank, world, build, _blocks_batches(), parity.mse, finish=blocks
     )
+    return compiled, trace
 
 
 def test_a_weight_tied_across_checkpointed_blocks_compiled_alone_trains_like_one_process():
     """[Note: a tied param in a block compiled alone]: backward recomputes the third block,
     whose compiled body reads the second block's weight; nothing held it there, and the
     recompute traced another graph (CheckpointError) before the unit gathered it itself."""
-    expected = parity.train_reference(_TiedAcrossBlocks, _tied_blocks_batches(), parity.mse)
-    for trace in run_on_ranks(_train_tied_blocks, 2):
+    expected = parity.train_reference(_TiedAcrossBlocks, _blocks_batches(), parity.mse)
+    for _, trace in run_on_ranks(_train_blocks_compiled, 2, _TiedAcrossBlocks):
         parity.assert_close(trace, expected, **FP32)
 
 
@@ -293,23 +301,11 @@ class _LowRank(torch.nn.Module):
         return weight + self.b @ self.a
 
 
-def _train_parametrized_blocks(rank: int, world: int) -> tuple[list[str], parity.Trace]:
-    compiled: list[str] = []
-
-    def blocks(model: torch.nn.Module) -> None:
-        compiled.extend(fczero.compile_blocks(model, backend="aot_eager"))
-
-    trace = parity.train_parallel(
-        rank, world, _ParametrizedBlocks, _tied_blocks_batches(), parity.mse, finish=blocks
-    )
-    return compiled, trace
-
-
 def test_parametrized_blocks_are_blocks_and_train_like_one_process():
     """``torch.nn.utils.parametrize`` gives each parametrized module a class of its own; the
     blocks still count as blocks of their container (before, none did, and the refusal
     named one class for two)."""
-    expected = parity.train_reference(_ParametrizedBlocks, _tied_blocks_batches(), parity.mse)
-    for compiled, trace in run_on_ranks(_train_parametrized_blocks, 2):
+    expected = parity.train_reference(_ParametrizedBlocks, _blocks_batches(), parity.mse)
+    for compiled, trace in run_on_ranks(_train_blocks_compiled, 2, _ParametrizedBlocks):
         assert compiled == ["blocks.0", "blocks.1"]
         parity.assert_close(trace, expected, **FP32)
