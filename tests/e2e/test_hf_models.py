@@ -281,7 +281,9 @@ def test_gpt2_bert_albert_and_bart_blocks_are_units():
 
 @pytest.fixture(scope="module")
 def traces():
-    return run_on_ranks(_strict_train, 2)[0]
+    # 21 trainings in one set of ranks: 2 min alone on a 2-core machine, 3.5 to over 5 min
+    # beside another test worker (past run_on_ranks' default limit of 300 s once)
+    return run_on_ranks(_strict_train, 2, timeout_s=900)[0]
 
 
 def _strict_train(rank: int, world: int) -> dict[tuple[str, str], parity.Trace]:
